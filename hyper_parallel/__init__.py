@@ -1,0 +1,37 @@
+"""hyper_parallel: Muon + AdamW for large-model training, on a plugin registry.
+
+Plugin authors need only :data:`hookimpl` (see
+:mod:`hyper_parallel.core.plugin.hookspecs` for the contract). Users build
+optimizers with :func:`hyper_parallel.core.optimizer.get_hyper_optimizer`.
+"""
+
+from hyper_parallel.core.errors import (
+    DuplicatePluginError,
+    HyperParallelError,
+    PluginError,
+    PluginLoadError,
+    UnknownPluginError,
+)
+from hyper_parallel.core.plugin import (
+    PluginKind,
+    get_registry,
+    hookimpl,
+    register_plugin,
+    unregister_plugin,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DuplicatePluginError",
+    "HyperParallelError",
+    "PluginError",
+    "PluginKind",
+    "PluginLoadError",
+    "UnknownPluginError",
+    "__version__",
+    "get_registry",
+    "hookimpl",
+    "register_plugin",
+    "unregister_plugin",
+]

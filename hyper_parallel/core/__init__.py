@@ -1,0 +1,1 @@
+"""Core of hyper_parallel: the plugin registry, optimizers and distributed helpers."""

@@ -1,0 +1,61 @@
+"""Close-match hints and keyword-argument checks shared by every factory."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+__all__ = ["accepted_keywords", "check_keywords", "did_you_mean"]
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """Return ``" Did you mean 'x'?"`` for the closest candidates, or ``""``."""
+    matches = difflib.get_close_matches(name, sorted(set(candidates)), n=3, cutoff=0.6)
+    if not matches:
+        return ""
+    return " Did you mean " + " or ".join(repr(m) for m in matches) + "?"
+
+
+def accepted_keywords(fn: Callable[..., Any], *, skip: int = 0) -> set[str] | None:
+    """Keyword names ``fn`` accepts, or ``None`` when it takes ``**kwargs``.
+
+    ``skip`` drops that many leading positional parameters (e.g. ``params``).
+    """
+    target: Any = fn.__init__ if inspect.isclass(fn) else fn  # type: ignore[misc]
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    params = list(sig.parameters.values())
+    if inspect.isclass(fn) and params and params[0].name == "self":
+        params = params[1:]
+    names: set[str] = set()
+    for index, p in enumerate(params):
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            return None
+        if index < skip or p.kind in (
+            inspect.Parameter.POSITIONAL_ONLY,
+            inspect.Parameter.VAR_POSITIONAL,
+        ):
+            continue
+        names.add(p.name)
+    return names
+
+
+def check_keywords(given: Mapping[str, Any], accepted: Iterable[str] | None, *, where: str) -> None:
+    """Raise ``TypeError`` naming the first keyword in ``given`` not in ``accepted``.
+
+    ``where`` names the thing being configured, e.g. ``"optimizer 'muon'"``.
+    ``accepted=None`` accepts everything.
+    """
+    if accepted is None:
+        return
+    accepted = sorted(set(accepted))
+    for key in given:
+        if key not in accepted:
+            raise TypeError(
+                f"Unknown keyword argument {key!r} for {where}.{did_you_mean(key, accepted)}"
+                f" Accepted: {', '.join(accepted) or '(none)'}."
+            )

@@ -1,0 +1,81 @@
+"""The plugin contract: the four hooks a ``hyper_parallel`` plugin may implement.
+
+A plugin is a module (or any object) with functions marked by
+``from hyper_parallel import hookimpl``. It is found through the entry-point
+group ``hyper_parallel``::
+
+    # pyproject.toml of a third-party distribution
+    [project.entry-points.hyper_parallel]
+    my_plugin = "my_package.hp_plugin"
+
+Each hook is called once per registry load with a ``register`` callback::
+
+    register(name, obj, *, description="", aliases=())
+
+``name`` and every alias are matched case-insensitively, with ``-`` and ``_``
+treated alike, and must be unique within their kind across all plugins: a
+second registration of a name is an error that names both plugins. What
+``obj`` must be depends on the hook, as documented below. Registration only
+records ``obj``; nothing is built until a user selects it by name.
+"""
+
+from __future__ import annotations
+
+from hyper_parallel.core.plugin.markers import hookspec
+from hyper_parallel.core.plugin.types import RegisterFn
+
+__all__ = [
+    "hyper_parallel_register_lr_schedulers",
+    "hyper_parallel_register_optimizers",
+    "hyper_parallel_register_partitioners",
+    "hyper_parallel_register_sharding_backends",
+]
+
+
+@hookspec
+def hyper_parallel_register_optimizers(register: RegisterFn) -> None:
+    """Register optimizers.
+
+    ``obj`` is a callable ``(params, **kwargs) -> torch.optim.Optimizer``; an
+    optimizer class is the usual choice. ``params`` is a list of param-group
+    dicts. Its keyword arguments are checked against its signature before it
+    is called, so a misspelt keyword is reported with a suggestion instead of
+    being dropped. A class attribute ``matrix_only = True`` tells
+    :func:`~hyper_parallel.core.optimizer.get_hyper_optimizer` that params with
+    fewer than two dims belong to another optimizer (AdamW).
+    """
+
+
+@hookspec
+def hyper_parallel_register_lr_schedulers(register: RegisterFn) -> None:
+    """Register learning-rate schedules.
+
+    ``obj`` is ``fn(step, *, total_steps, warmup_steps, **options) -> float``:
+    the factor (usually in ``[0, 1]``) applied to every param group's own peak
+    lr at ``step`` (0-based; ``step == 0`` is the lr before the first
+    optimizer step). Keyword-only parameters of ``fn`` beyond ``total_steps``
+    and ``warmup_steps`` are the schedule's options; their defaults are the
+    defaults users get. An option named ``min_lr_ratio`` also makes the
+    schedule accept ``lr_min`` (an absolute floor, converted per group).
+    """
+
+
+@hookspec
+def hyper_parallel_register_partitioners(register: RegisterFn) -> None:
+    """Register param-group partitioners.
+
+    ``obj`` is ``fn(model, **options) -> dict[str, list]``: it maps optimizer
+    names (as registered, e.g. ``"muon"``) to the params, or param-group
+    dicts, that optimizer gets. Frozen params may be left out; every
+    trainable param must be assigned exactly once.
+    """
+
+
+@hookspec
+def hyper_parallel_register_sharding_backends(register: RegisterFn) -> None:
+    """Register sharding backends.
+
+    ``obj`` is a class implementing
+    :class:`hyper_parallel.core.distributed.ShardingBackend`: it shards a
+    model and runs a function on the full matrix behind each local shard.
+    """

@@ -1,0 +1,467 @@
+"""Plugin discovery and lookup.
+
+The registry finds plugins through the ``hyper_parallel`` entry-point group
+(the built-ins are found the same way), plus any registered in-process with
+:func:`register_plugin`. It calls each plugin's hooks with a ``register``
+callback bound to that plugin, so every entry knows which plugin and
+distribution it came from and a duplicate name can name both sides.
+
+Loading is lazy (the first lookup), cached, and resettable. Environment:
+
+* ``HYPER_PARALLEL_DISABLE_PLUGINS=a,b`` blocks plugins by name.
+* ``HYPER_PARALLEL_STRICT_PLUGINS=1`` makes a plugin that fails to load
+  fatal; otherwise it is reported with a warning and the others still load.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.metadata
+import os
+import re
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from hyper_parallel.core._suggest import did_you_mean
+from hyper_parallel.core.errors import DuplicatePluginError, PluginLoadError, UnknownPluginError
+from hyper_parallel.core.plugin import hookspecs
+from hyper_parallel.core.plugin.markers import PROJECT_NAME
+
+__all__ = [
+    "DISABLE_ENV",
+    "ENTRY_POINT_GROUP",
+    "STRICT_ENV",
+    "LoadedPlugin",
+    "PluginKind",
+    "Registry",
+    "RegistryEntry",
+    "get_registry",
+    "normalize_name",
+    "register_plugin",
+    "unregister_plugin",
+]
+
+ENTRY_POINT_GROUP = PROJECT_NAME
+DISABLE_ENV = "HYPER_PARALLEL_DISABLE_PLUGINS"
+STRICT_ENV = "HYPER_PARALLEL_STRICT_PLUGINS"
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+class PluginKind(str, enum.Enum):
+    """The four kinds of named things a plugin can register."""
+
+    OPTIMIZER = "optimizer"
+    LR_SCHEDULER = "lr_scheduler"
+    PARTITIONER = "partitioner"
+    SHARDING_BACKEND = "sharding_backend"
+
+    @property
+    def label(self) -> str:
+        """Human-readable name used in messages."""
+        return _LABELS[self]
+
+    @property
+    def hook_name(self) -> str:
+        """The hookspec that registers this kind."""
+        return _HOOK_NAMES[self]
+
+
+_LABELS = {
+    PluginKind.OPTIMIZER: "optimizer",
+    PluginKind.LR_SCHEDULER: "LR schedule",
+    PluginKind.PARTITIONER: "partitioner",
+    PluginKind.SHARDING_BACKEND: "sharding backend",
+}
+_HOOK_NAMES = {
+    PluginKind.OPTIMIZER: hookspecs.hyper_parallel_register_optimizers.__name__,
+    PluginKind.LR_SCHEDULER: hookspecs.hyper_parallel_register_lr_schedulers.__name__,
+    PluginKind.PARTITIONER: hookspecs.hyper_parallel_register_partitioners.__name__,
+    PluginKind.SHARDING_BACKEND: hookspecs.hyper_parallel_register_sharding_backends.__name__,
+}
+
+
+def normalize_name(name: str) -> str:
+    """Canonical form of a registry name: lower case, ``-`` read as ``_``."""
+    return name.strip().lower().replace("-", "_")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegistryEntry:
+    """One registered optimizer, schedule, partitioner or backend."""
+
+    kind: PluginKind
+    name: str
+    obj: Any
+    description: str
+    aliases: tuple[str, ...]
+    plugin: str
+    distribution: str | None
+
+    @property
+    def source(self) -> str:
+        """Where the entry came from, for messages and ``hyper-parallel plugins``."""
+        where = self.distribution or "registered in-process"
+        return f"plugin {self.plugin!r} ({where})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedPlugin:
+    """A plugin the registry found, whether it loaded or not."""
+
+    name: str
+    distribution: str | None
+    entry_point: str | None
+    status: str  # "loaded", "failed" or "disabled"
+    error: str | None = None
+
+
+@dataclass
+class _State:
+    entries: dict[PluginKind, dict[str, RegistryEntry]]
+    lookup: dict[PluginKind, dict[str, RegistryEntry]]
+    plugins: list[LoadedPlugin]
+    failures: list[PluginLoadError]
+    disabled: list[str]
+
+
+def _dist_label(dist: importlib.metadata.Distribution) -> str:
+    return f"{dist.metadata['Name']} {dist.version}"
+
+
+def _env_list(var: str) -> list[str]:
+    raw = os.environ.get(var, "")
+    return [normalize_name(x) for x in raw.split(",") if x.strip()]
+
+
+class Registry:
+    """Discovers plugins and resolves names to registered objects."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._state: _State | None = None
+        self._in_process: dict[str, object] = {}
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget what was loaded; the next lookup discovers plugins again.
+
+        Plugins registered in-process stay registered.
+        """
+        with self._lock:
+            self._state = None
+
+    def register_plugin(self, plugin: object, name: str | None = None) -> str:
+        """Register a plugin object (a module, class or instance with hookimpls).
+
+        Args:
+            plugin: Anything carrying functions marked with ``hookimpl``.
+            name: The plugin's name; defaults to the module or class name.
+
+        Returns:
+            The name it was registered under (use it to unregister).
+
+        Raises:
+            DuplicatePluginError: a plugin of that name is already registered.
+        """
+        plugin_name = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+        with self._lock:
+            state = self._ensure_loaded()
+            taken = {p.name for p in state.plugins} | set(self._in_process)
+            if plugin_name in taken:
+                raise DuplicatePluginError(
+                    f"A plugin named {plugin_name!r} is already registered; pass another "
+                    f"name=... or unregister it first."
+                )
+            self._in_process[plugin_name] = plugin
+            try:
+                self._state = self._load()
+            except BaseException:
+                del self._in_process[plugin_name]
+                self._state = None
+                raise
+        return plugin_name
+
+    def unregister_plugin(self, name: str) -> None:
+        """Remove a plugin registered with :meth:`register_plugin`."""
+        with self._lock:
+            if name not in self._in_process:
+                raise KeyError(
+                    f"No in-process plugin named {name!r}. Registered in-process: "
+                    f"{', '.join(sorted(self._in_process)) or '(none)'}."
+                )
+            del self._in_process[name]
+            self._state = None
+
+    # -- lookups -----------------------------------------------------------
+
+    def get(self, kind: PluginKind | str, name: str) -> RegistryEntry:
+        """Return the entry registered as ``name`` (or an alias) for ``kind``.
+
+        Raises:
+            UnknownPluginError: nothing of that kind has that name; the message
+                lists what is available and close matches.
+        """
+        kind = PluginKind(kind)
+        if not isinstance(name, str):
+            raise TypeError(f"A {kind.label} name must be a str, got {type(name).__name__}.")
+        state = self._ensure_loaded()
+        entry = state.lookup[kind].get(normalize_name(name))
+        if entry is not None:
+            return entry
+        available = sorted(state.entries[kind])
+        hint = did_you_mean(normalize_name(name), state.lookup[kind])
+        message = (
+            f"Unknown {kind.label} {name!r}. Available: {', '.join(available) or '(none)'}."
+            f"{hint} (Is the plugin installed?)"
+        )
+        if state.failures:
+            message += (
+                " Plugins that failed to load: "
+                + "; ".join(f"{f.plugin!r} ({f.distribution})" for f in state.failures)
+                + "."
+            )
+        if state.disabled:
+            message += f" Disabled by {DISABLE_ENV}: {', '.join(state.disabled)}."
+        raise UnknownPluginError(message, kind=kind.value, name=name, available=available)
+
+    def entries(self, kind: PluginKind | str | None = None) -> list[RegistryEntry]:
+        """All entries, sorted by kind then name (one kind if given)."""
+        state = self._ensure_loaded()
+        kinds = [PluginKind(kind)] if kind is not None else list(PluginKind)
+        return [state.entries[k][n] for k in kinds for n in sorted(state.entries[k])]
+
+    def names(self, kind: PluginKind | str) -> list[str]:
+        """Sorted canonical names registered for ``kind``."""
+        return [e.name for e in self.entries(kind)]
+
+    def plugins(self) -> list[LoadedPlugin]:
+        """Every plugin found: loaded, failed or disabled."""
+        return list(self._ensure_loaded().plugins)
+
+    def failures(self) -> list[PluginLoadError]:
+        """The errors of plugins that failed to load (empty when all loaded)."""
+        return list(self._ensure_loaded().failures)
+
+    def __iter__(self) -> Iterator[RegistryEntry]:
+        return iter(self.entries())
+
+    # -- loading -----------------------------------------------------------
+
+    def _ensure_loaded(self) -> _State:
+        state = self._state
+        if state is None:
+            with self._lock:
+                if self._state is None:
+                    self._state = self._load()
+                state = self._state
+        return state
+
+    def _load(self) -> _State:
+        strict = os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes")
+        disabled = _env_list(DISABLE_ENV)
+        pm = pluggy.PluginManager(PROJECT_NAME)
+        pm.add_hookspecs(hookspecs)
+        plugins: list[LoadedPlugin] = []
+        failures: list[PluginLoadError] = []
+        origin: dict[str, str | None] = {}
+
+        def fail(error: PluginLoadError, record: LoadedPlugin, cause: BaseException) -> None:
+            if strict:
+                raise error from cause
+            warnings.warn(
+                f"{error} (set {STRICT_ENV}=1 to make this fatal)", RuntimeWarning, stacklevel=4
+            )
+            failures.append(error)
+            plugins.append(record)
+
+        for dist in importlib.metadata.distributions():
+            for ep in dist.entry_points:
+                if ep.group != ENTRY_POINT_GROUP:
+                    continue
+                label = _dist_label(dist)
+                if ep.name in origin:
+                    if origin[ep.name] == label:
+                        continue  # the same distribution seen twice on sys.path
+                    raise DuplicatePluginError(
+                        f"Two distributions provide a plugin named {ep.name!r}: "
+                        f"{origin[ep.name]} and {label}. Uninstall one of them."
+                    )
+                origin[ep.name] = label
+                if normalize_name(ep.name) in disabled:
+                    plugins.append(
+                        LoadedPlugin(
+                            name=ep.name,
+                            distribution=label,
+                            entry_point=ep.value,
+                            status="disabled",
+                        )
+                    )
+                    continue
+                try:
+                    obj = ep.load()
+                    pm.register(obj, name=ep.name)
+                except Exception as exc:
+                    error = PluginLoadError(
+                        f"Plugin {ep.name!r} (entry point {ep.value!r} of {label}) failed to load: "
+                        f"{type(exc).__name__}: {exc}",
+                        plugin=ep.name,
+                        distribution=label,
+                    )
+                    record = LoadedPlugin(
+                        name=ep.name,
+                        distribution=label,
+                        entry_point=ep.value,
+                        status="failed",
+                        error=str(error),
+                    )
+                    fail(error, record, exc)
+                    continue
+                plugins.append(
+                    LoadedPlugin(
+                        name=ep.name, distribution=label, entry_point=ep.value, status="loaded"
+                    )
+                )
+
+        for name, obj in self._in_process.items():
+            if normalize_name(name) in disabled:
+                plugins.append(
+                    LoadedPlugin(name=name, distribution=None, entry_point=None, status="disabled")
+                )
+                continue
+            pm.register(obj, name=name)
+            origin[name] = None
+            plugins.append(
+                LoadedPlugin(name=name, distribution=None, entry_point=None, status="loaded")
+            )
+
+        entries: dict[PluginKind, dict[str, RegistryEntry]] = {k: {} for k in PluginKind}
+        lookup: dict[PluginKind, dict[str, RegistryEntry]] = {k: {} for k in PluginKind}
+        for kind in PluginKind:
+            hook = getattr(pm.hook, kind.hook_name)
+            # Resolve by name, never by call order: each plugin is called on its own,
+            # in name order, with a register callback that knows who is registering.
+            impls = sorted(
+                (i for i in hook.get_hookimpls() if not (i.hookwrapper or i.wrapper)),
+                key=lambda i: i.plugin_name,
+            )
+            for impl in impls:
+                staged: list[RegistryEntry] = []
+                register = self._make_register(
+                    kind, impl.plugin_name, origin.get(impl.plugin_name), staged
+                )
+                try:
+                    impl.function(register=register)
+                except Exception as exc:
+                    source = origin.get(impl.plugin_name)
+                    error = PluginLoadError(
+                        f"Plugin {impl.plugin_name!r} ({source or 'registered in-process'}) failed in "
+                        f"{kind.hook_name}: {type(exc).__name__}: {exc}",
+                        plugin=impl.plugin_name,
+                        distribution=source,
+                    )
+                    record = LoadedPlugin(
+                        name=impl.plugin_name,
+                        distribution=source,
+                        entry_point=None,
+                        status="failed",
+                        error=str(error),
+                    )
+                    fail(error, record, exc)
+                    continue
+                for entry in staged:
+                    _add_entry(entries[kind], lookup[kind], entry)
+        return _State(
+            entries=entries, lookup=lookup, plugins=plugins, failures=failures, disabled=disabled
+        )
+
+    @staticmethod
+    def _make_register(
+        kind: PluginKind, plugin: str, distribution: str | None, staged: list[RegistryEntry]
+    ) -> Callable[..., None]:
+        def register(
+            name: str, obj: Any, *, description: str = "", aliases: Sequence[str] = ()
+        ) -> None:
+            if not isinstance(name, str) or not _NAME_RE.match(name):
+                raise ValueError(
+                    f"{kind.label} name {name!r} is not valid: use letters, digits, '_', '-' or '.'."
+                )
+            if isinstance(aliases, str):
+                raise TypeError(
+                    f"aliases of {kind.label} {name!r} must be a sequence of str, not a str."
+                )
+            for alias in aliases:
+                if not isinstance(alias, str) or not _NAME_RE.match(alias):
+                    raise ValueError(
+                        f"alias {alias!r} of {kind.label} {name!r} is not a valid name."
+                    )
+            if not callable(obj):
+                raise TypeError(
+                    f"{kind.label} {name!r} must be callable, got {type(obj).__name__}."
+                )
+            entry = RegistryEntry(
+                kind=kind,
+                name=normalize_name(name),
+                obj=obj,
+                description=description or _first_doc_line(obj),
+                aliases=tuple(normalize_name(a) for a in aliases),
+                plugin=plugin,
+                distribution=distribution,
+            )
+            # Duplicates within one plugin are caught here; across plugins in _add_entry.
+            for other in staged:
+                _check_clash({k: other for k in (other.name, *other.aliases)}, entry)
+            staged.append(entry)
+
+        return register
+
+
+def _first_doc_line(obj: Any) -> str:
+    doc = getattr(obj, "__doc__", None) or ""
+    return doc.strip().splitlines()[0].strip() if doc.strip() else ""
+
+
+def _check_clash(lookup: dict[str, RegistryEntry], entry: RegistryEntry) -> None:
+    for key in (entry.name, *entry.aliases):
+        other = lookup.get(key)
+        if other is not None:
+            raise DuplicatePluginError(
+                f"{entry.kind.label} name {key!r} is registered twice: by {other.source} "
+                f"and by {entry.source}. Uninstall or disable one of them ({DISABLE_ENV}=...)."
+            )
+
+
+def _add_entry(
+    entries: dict[str, RegistryEntry], lookup: dict[str, RegistryEntry], entry: RegistryEntry
+) -> None:
+    _check_clash(lookup, entry)
+    entries[entry.name] = entry
+    for key in (entry.name, *entry.aliases):
+        lookup[key] = entry
+
+
+_REGISTRY = Registry()
+
+
+def get_registry() -> Registry:
+    """The process-wide registry every factory looks names up in."""
+    return _REGISTRY
+
+
+def register_plugin(plugin: object, name: str | None = None) -> str:
+    """Register a plugin object in this process (notebooks, tests).
+
+    See :meth:`Registry.register_plugin`.
+    """
+    return _REGISTRY.register_plugin(plugin, name)
+
+
+def unregister_plugin(name: str) -> None:
+    """Remove a plugin registered in-process with :func:`register_plugin`."""
+    _REGISTRY.unregister_plugin(name)

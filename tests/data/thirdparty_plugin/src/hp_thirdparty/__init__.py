@@ -1,0 +1,1 @@
+"""A third-party plugin: a sign-SGD optimizer and a step-halving LR schedule."""
