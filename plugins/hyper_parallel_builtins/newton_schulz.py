@@ -1,0 +1,239 @@
+"""Newton-Schulz orthogonalization and its coefficient sets.
+
+An odd matrix polynomial ``X -> a X + b (X X^T) X + c (X X^T)^2 X`` acts on
+each singular value ``s`` of ``X`` as ``s -> a s + b s^3 + c s^5`` and leaves
+the singular vectors alone. Starting from ``G / ||G||_F`` (every singular
+value in ``[0, 1]``) and applying it a few times pushes every singular value
+towards 1, so the result approaches the polar factor ``U V^T`` of
+``G = U S V^T`` without an SVD: matmuls only, which is why Muon uses it.
+
+A *coefficient set* is the sequence of ``(a, b, c)`` used at each iteration.
+:data:`COEFFICIENT_SETS` holds the named ones; :func:`resolve_coefficients`
+turns any accepted spelling into exactly ``ns_steps`` triples.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import TypeAlias
+
+import torch
+from torch import Tensor
+
+from hyper_parallel.core._suggest import did_you_mean
+
+__all__ = [
+    "COEFFICIENT_SETS",
+    "KELLER_COEFFICIENTS",
+    "MAX_NS_STEPS",
+    "CoefficientSpec",
+    "Coefficients",
+    "newton_schulz",
+    "newton_schulz_batched",
+    "resolve_coefficients",
+]
+
+Coefficients: TypeAlias = tuple[float, float, float]
+"""One iteration's ``(a, b, c)``."""
+
+CoefficientSpec: TypeAlias = str | Sequence[float] | Sequence[Sequence[float]]
+"""A set name, one triple (used every iteration), or one triple per iteration."""
+
+MAX_NS_STEPS = 99
+"""The most iterations accepted (the same bound as ``torch.optim.Muon``)."""
+
+KELLER_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
+"""Keller Jordan's quintic: the steepest slope at zero that still keeps every
+singular value within roughly ``[0.7, 1.2]`` after five steps. The default of
+``torch.optim.Muon``."""
+
+# Amsel, Persson, Musco & Gower, "The Polar Express" (arXiv 2505.16932): the
+# degree-5 polynomial optimal for each iteration in turn.
+_POLAR_EXPRESS_RAW: tuple[Coefficients, ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+
+def _with_safety_factor(
+    triples: tuple[Coefficients, ...], factor: float
+) -> tuple[Coefficients, ...]:
+    # Dividing a, b, c by f, f^3, f^5 turns p(x) into p(x / f), so round-off
+    # that lifts a singular value slightly above 1 stays inside the interval
+    # the polynomial was optimised for. The last step is left exact so the
+    # iteration still ends at 1.
+    scaled = tuple((a / factor, b / factor**3, c / factor**5) for a, b, c in triples[:-1])
+    return (*scaled, triples[-1])
+
+
+COEFFICIENT_SETS: Mapping[str, tuple[Coefficients, ...]] = MappingProxyType(
+    {
+        "keller": (KELLER_COEFFICIENTS,),
+        "polar_express": _with_safety_factor(_POLAR_EXPRESS_RAW, 1.01),
+        # Classic cubic Newton-Schulz: slower, but converges to U V^T itself.
+        "cubic": ((1.5, -0.5, 0.0),),
+    }
+)
+"""Named coefficient sets. A set shorter than ``ns_steps`` repeats its last triple."""
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_triple(value: object, where: str) -> Coefficients:
+    if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 3:
+        raise ValueError(f"{where} must be a triple (a, b, c) of floats, got {value!r}.")
+    if not all(_is_real(v) for v in value):
+        raise ValueError(f"{where} must be a triple (a, b, c) of floats, got {value!r}.")
+    a, b, c = (float(v) for v in value)
+    return (a, b, c)
+
+
+def resolve_coefficients(spec: CoefficientSpec, ns_steps: int) -> tuple[Coefficients, ...]:
+    """Return the ``(a, b, c)`` for each of ``ns_steps`` iterations.
+
+    Args:
+        spec: A name in :data:`COEFFICIENT_SETS` (case-insensitive, ``-`` read
+            as ``_``); one triple, used at every iteration; or a sequence of
+            triples, one per iteration: when shorter than ``ns_steps`` its
+            last triple repeats, when longer only the first ``ns_steps`` are
+            used.
+        ns_steps: Number of iterations, ``1 <= ns_steps <= 99``.
+
+    Raises:
+        ValueError: an unknown set name (the message lists the sets), a
+            malformed triple, or ``ns_steps`` out of range.
+    """
+    if not isinstance(ns_steps, int) or isinstance(ns_steps, bool):
+        raise ValueError(f"ns_steps must be an int, got {ns_steps!r}.")
+    if not 1 <= ns_steps <= MAX_NS_STEPS:
+        raise ValueError(f"ns_steps must be in 1..{MAX_NS_STEPS}, got {ns_steps}.")
+    if isinstance(spec, str):
+        key = spec.strip().lower().replace("-", "_")
+        if key not in COEFFICIENT_SETS:
+            raise ValueError(
+                f"Unknown Newton-Schulz coefficient set {spec!r}. Available: "
+                f"{', '.join(sorted(COEFFICIENT_SETS))}.{did_you_mean(key, COEFFICIENT_SETS)} "
+                "Or pass a triple (a, b, c), or a sequence of triples (one per iteration)."
+            )
+        triples = COEFFICIENT_SETS[key]
+    elif isinstance(spec, Sequence) and len(spec) > 0 and all(_is_real(v) for v in spec):
+        triples = (_as_triple(spec, "ns_coefficients"),)
+    elif isinstance(spec, Sequence) and len(spec) > 0:
+        triples = tuple(_as_triple(t, f"ns_coefficients[{i}]") for i, t in enumerate(spec))
+    else:
+        raise ValueError(
+            "ns_coefficients must be a coefficient-set name "
+            f"({', '.join(sorted(COEFFICIENT_SETS))}), a triple (a, b, c), or a non-empty "
+            f"sequence of triples; got {spec!r}."
+        )
+    if len(triples) >= ns_steps:
+        return triples[:ns_steps]
+    return triples + (triples[-1],) * (ns_steps - len(triples))
+
+
+def _iterate_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Tensor:
+    """Run the iteration on ``x`` of shape (batch, rows, cols), ``rows <= cols``.
+
+    ``x`` must be a tensor the caller owns: it is normalised in place.
+    """
+    # The Gram matrix is rows x rows, so rows <= cols keeps it the small one.
+    x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps))
+    for a, b, c in coefficients:
+        gram = torch.bmm(x, x.mT)
+        # A cubic step (c == 0) skips the (X X^T)^2 matmul.
+        poly = gram.mul_(b) if c == 0.0 else torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return x
+
+
+def newton_schulz_batched(
+    matrices: Sequence[Tensor],
+    coefficients: Sequence[Coefficients],
+    *,
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = None,
+) -> list[Tensor]:
+    """Orthogonalize same-shape matrices in one batched iteration.
+
+    Every tensor has shape ``(..., m, n)`` with the same ``(m, n)`` and
+    device; leading dims are batches of independent matrices. They are
+    copied (and cast) once into a single ``(B, m, n)`` stack, each matrix is
+    divided by its own Frobenius norm (clamped at ``eps``), and each
+    ``(a, b, c)`` of ``coefficients`` is one step ``A = X X^T;
+    X = a X + (b A + c A A) X`` on the whole stack (on ``X^T`` when
+    ``m > n``, so ``A`` is the smaller Gram matrix).
+
+    Args:
+        matrices: The matrices; not modified.
+        coefficients: One ``(a, b, c)`` per iteration (see
+            :func:`resolve_coefficients`).
+        eps: Lower bound on the norm divided by, so a zero matrix stays zero.
+        dtype: The dtype to iterate and return in; default the first
+            matrix's.
+
+    Returns:
+        One tensor per input, same shape, in ``dtype``. They are views into
+        one result stack.
+    """
+    if not matrices:
+        return []
+    first = matrices[0]
+    if first.ndim < 2:
+        raise ValueError(
+            f"Newton-Schulz needs matrices, got a tensor of shape {tuple(first.shape)}."
+        )
+    rows, cols = first.shape[-2], first.shape[-1]
+    for m in matrices:
+        if m.shape[-2:] != first.shape[-2:] or m.device != first.device:
+            raise ValueError(
+                "newton_schulz_batched needs matrices of one shape on one device; got "
+                f"{tuple(first.shape[-2:])} on {first.device} and {tuple(m.shape[-2:])} on {m.device}."
+            )
+    dtype = first.dtype if dtype is None else dtype
+    tall = rows > cols
+    stacks = [m.reshape(-1, rows, cols) for m in matrices]
+    counts = [s.shape[0] for s in stacks]
+    work_shape = (sum(counts), cols, rows) if tall else (sum(counts), rows, cols)
+    # One copy does the stacking, the cast and (for tall matrices) the transpose.
+    x = torch.empty(work_shape, dtype=dtype, device=first.device)
+    start = 0
+    for stack, count in zip(stacks, counts, strict=True):
+        x[start : start + count].copy_(stack.mT if tall else stack)
+        start += count
+    result = _iterate_(x, coefficients, eps)
+    if tall:
+        result = result.mT
+    out: list[Tensor] = []
+    start = 0
+    for matrix, count in zip(matrices, counts, strict=True):
+        out.append(result[start : start + count].reshape(matrix.shape))
+        start += count
+    return out
+
+
+def newton_schulz(
+    matrix: Tensor,
+    coefficients: Sequence[Coefficients],
+    *,
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Orthogonalize ``matrix`` (shape ``(..., m, n)``); see :func:`newton_schulz_batched`.
+
+    Example:
+        >>> g = torch.randn(64, 32)
+        >>> o = newton_schulz(g, resolve_coefficients("cubic", 40))
+        >>> torch.allclose(o.mT @ o, torch.eye(32), atol=1e-4)
+        True
+    """
+    return newton_schulz_batched([matrix], coefficients, eps=eps, dtype=dtype)[0]

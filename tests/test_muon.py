@@ -1,0 +1,506 @@
+"""Muon: torch.optim.Muon's update, N-D params, NS dtype, coefficient sets, errors."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import hyper_parallel_builtins.muon as muon_module
+from hyper_parallel import get_registry
+from hyper_parallel_builtins.muon import Muon, default_ns_dtype
+from hyper_parallel_builtins.newton_schulz import (
+    COEFFICIENT_SETS,
+    KELLER_COEFFICIENTS,
+    newton_schulz,
+    resolve_coefficients,
+)
+
+# -- a float64 reference of torch.optim.Muon's update rule ---------------------
+
+
+def reference_orthogonalize(
+    update: Tensor, coefficients: Sequence[tuple[float, float, float]], eps: float
+) -> Tensor:
+    """Newton-Schulz on one float64 matrix, written out step by step."""
+    x = update.T if update.shape[0] > update.shape[1] else update
+    x = x / max(x.norm().item(), eps)
+    for a, b, c in coefficients:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if update.shape[0] > update.shape[1] else x
+
+
+def reference_muon(
+    param: Tensor,
+    grads: Sequence[Tensor],
+    matrices: tuple[int, int, int],
+    *,
+    lr: float = 0.02,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    coefficients: Sequence[tuple[float, float, float]] = (KELLER_COEFFICIENTS,) * 5,
+    eps: float = 1e-7,
+    rms_target: float | None = None,
+) -> Tensor:
+    """``param`` after one step per grad; ``matrices`` = (count, rows, cols) it is read as."""
+    count, rows, cols = matrices
+    p = param.double().reshape(count, rows, cols)
+    buf = torch.zeros_like(p)
+    if rms_target is None:
+        scale = math.sqrt(max(1.0, rows / cols))
+    else:
+        scale = rms_target * math.sqrt(max(rows, cols))
+    for grad in grads:
+        g = grad.double().reshape(count, rows, cols)
+        buf = momentum * buf + (1 - momentum) * g
+        update = (1 - momentum) * g + momentum * buf if nesterov else buf
+        ortho = torch.stack([reference_orthogonalize(u, coefficients, eps) for u in update])
+        p = p * (1 - lr * weight_decay) - lr * scale * ortho
+    return p.reshape(param.shape)
+
+
+def run_muon(
+    params: Sequence[Tensor], grads: Sequence[Sequence[Tensor]], **kwargs: Any
+) -> list[Tensor]:
+    """Copies of ``params`` after one ``Muon`` step per entry of ``grads``."""
+    trained = [p.detach().clone().requires_grad_() for p in params]
+    opt = Muon(trained, **kwargs)
+    for step_grads in grads:
+        for p, g in zip(trained, step_grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in trained]
+
+
+def relative_error(actual: Tensor, expected: Tensor, start: Tensor) -> float:
+    """Error of the change ``actual - start`` relative to the expected change.
+
+    Stricter than comparing params: with lr 0.02 the change is ~1% of a
+    param, so 5e-5 of the change is ~5e-7 of the param. fp32 Newton-Schulz
+    itself is only good to ~1e-5 (each of Keller's steps amplifies round-off
+    of the small singular values by up to a = 3.4).
+    """
+    change = expected.double() - start.double()
+    return ((actual.double() - expected.double()).norm() / change.norm()).item()
+
+
+def random_grads(shape: Sequence[int], steps: int, seed: int = 0) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen) for _ in range(steps)]
+
+
+SHAPES_AND_VIEWS = [
+    # (param shape, matrix_view, how it is read: (count, rows, cols))
+    ((24, 40), "auto", (1, 24, 40)),
+    ((48, 16), "auto", (1, 48, 16)),  # tall: rows > cols
+    ((16, 4, 3, 3), "auto", (1, 16, 36)),  # conv kernel -> (out, -1)
+    ((4, 12, 20), "auto", (4, 12, 20)),  # MoE expert stack -> 4 matrices
+    ((12, 4, 5), "flatten", (1, 12, 20)),  # Conv1d kernel -> (out, -1)
+    ((2, 3, 10, 6), "batch", (6, 10, 6)),
+]
+
+CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "default": ({}, {}),
+    "no_nesterov": ({"nesterov": False}, {"nesterov": False}),
+    "match_rms_adamw": ({"adjust_lr_fn": "match_rms_adamw"}, {"rms_target": 0.2}),
+    "matched_adamw_rms": ({"matched_adamw_rms": 0.3}, {"rms_target": 0.3}),
+    "no_weight_decay": ({"weight_decay": 0.0}, {"weight_decay": 0.0}),
+    "momentum_0.5": (
+        {"momentum": 0.5, "ns_steps": 3},
+        {"momentum": 0.5, "coefficients": (KELLER_COEFFICIENTS,) * 3},
+    ),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize(("shape", "view", "matrices"), SHAPES_AND_VIEWS)
+def test_matches_float64_reference_of_torch_update_rule(
+    shape: tuple[int, ...], view: str, matrices: tuple[int, int, int], config: str
+) -> None:
+    ours, theirs = dict(CONFIGS[config][0]), CONFIGS[config][1]
+    start = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    grads = random_grads(shape, 3)
+    (result,) = run_muon(
+        [start],
+        [[g] for g in grads],
+        lr=0.02,
+        adjust_lr_fn=ours.pop("adjust_lr_fn", None if "matched_adamw_rms" in ours else "original"),
+        ns_dtype=torch.float32,
+        matrix_view=view,
+        **ours,
+    )
+    expected = reference_muon(start, grads, matrices, **theirs)
+    assert result.dtype == torch.float32
+    assert relative_error(result, expected, start) < 5e-5
+
+
+def test_matched_adamw_rms_0_2_is_match_rms_adamw() -> None:
+    params = [torch.randn(16, 32), torch.randn(40, 8)]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(2)]
+    by_name = run_muon(params, grads, lr=0.01, adjust_lr_fn="match_rms_adamw")
+    by_value = run_muon(params, grads, lr=0.01, matched_adamw_rms=0.2)
+    original = run_muon(params, grads, lr=0.01)
+    for a, b, c in zip(by_name, by_value, original, strict=True):
+        assert torch.equal(a, b)
+        assert not torch.allclose(a, c)
+
+
+def test_weight_decay_shrinks_params_by_one_minus_lr_times_decay() -> None:
+    # A zero gradient orthogonalizes to zero, leaving only the decay.
+    start = torch.randn(8, 12)
+    (decayed,) = run_muon([start], [[torch.zeros(8, 12)]] * 2, lr=0.1, weight_decay=0.5)
+    torch.testing.assert_close(decayed, start * 0.95**2)
+
+
+def test_tensor_lr_gives_the_same_step_as_a_float() -> None:
+    params = [torch.randn(8, 12)]
+    grads = [[torch.randn(8, 12)] for _ in range(2)]
+    as_float = run_muon(params, grads, lr=0.02)
+    as_tensor = run_muon(params, grads, lr=torch.tensor(0.02))
+    torch.testing.assert_close(as_tensor[0], as_float[0], rtol=1e-6, atol=1e-7)
+
+
+# -- drop-in for torch.optim.Muon ----------------------------------------------
+
+
+def test_accepts_every_torch_muon_argument_with_the_same_default() -> None:
+    theirs = inspect.signature(torch.optim.Muon.__init__).parameters
+    ours = inspect.signature(Muon.__init__).parameters
+    # Same positional order, so positional calls mean the same thing.
+    assert list(ours)[: len(theirs)] == list(theirs)
+    for name, param in theirs.items():
+        assert ours[name].default == param.default, name
+        assert ours[name].kind == param.kind, name
+
+
+def test_matches_torch_muon_when_newton_schulz_runs_in_bfloat16() -> None:
+    torch.manual_seed(0)
+    shapes = [(32, 64), (64, 32), (32, 64), (48, 48)]
+    starts = [torch.randn(*s) for s in shapes]
+    ours = [p.clone().requires_grad_() for p in starts]
+    theirs = [p.clone().requires_grad_() for p in starts]
+    opt_ours = Muon(ours, lr=0.02, ns_dtype=torch.bfloat16)
+    opt_theirs = torch.optim.Muon(theirs, lr=0.02)
+    for _ in range(3):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    for a, b, start in zip(ours, theirs, starts, strict=True):
+        assert relative_error(a.detach(), b.detach(), start) < 1e-2
+
+
+def test_loads_a_torch_muon_state_dict_and_continues_the_same() -> None:
+    torch.manual_seed(0)
+    start = torch.randn(16, 24)
+    theirs = start.clone().requires_grad_()
+    opt_theirs = torch.optim.Muon([theirs], lr=0.02)
+    theirs.grad = torch.randn_like(theirs)
+    opt_theirs.step()
+
+    ours = theirs.detach().clone().requires_grad_()
+    opt_ours = Muon([ours], ns_dtype=torch.bfloat16)
+    # A copy, as from a checkpoint: load_state_dict keeps the tensors it is given.
+    opt_ours.load_state_dict(copy.deepcopy(opt_theirs.state_dict()))
+    assert opt_ours.param_groups[0]["lr"] == 0.02
+    before = theirs.detach().clone()
+    theirs.grad = torch.randn_like(theirs)
+    ours.grad = theirs.grad.clone()
+    opt_theirs.step()
+    opt_ours.step()
+    assert relative_error(ours.detach(), theirs.detach(), before) < 1e-2
+
+
+# -- Newton-Schulz dtype -------------------------------------------------------
+
+
+@pytest.fixture
+def ns_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """The dtype each batched Newton-Schulz call of Muon returned (= ran in)."""
+    seen: list[torch.dtype] = []
+    real = muon_module.newton_schulz_batched
+
+    def spy(matrices: Sequence[Tensor], *args: Any, **kwargs: Any) -> list[Tensor]:
+        out = real(matrices, *args, **kwargs)
+        seen.extend(o.dtype for o in out)
+        return out
+
+    monkeypatch.setattr(muon_module, "newton_schulz_batched", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "ns_dtype", "expected"),
+    [
+        (torch.float32, None, torch.float32),
+        (torch.float64, None, torch.float64),
+        (torch.bfloat16, None, torch.float32),
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_newton_schulz_dtype_and_params_keep_their_own(
+    ns_dtypes: list[torch.dtype],
+    param_dtype: torch.dtype,
+    ns_dtype: torch.dtype | None,
+    expected: torch.dtype,
+) -> None:
+    param = torch.randn(8, 16, dtype=param_dtype, requires_grad=True)
+    opt = Muon([param], lr=0.02, ns_dtype=ns_dtype)
+    param.grad = torch.randn_like(param)
+    start = param.detach().clone()
+    opt.step()
+    assert ns_dtypes == [expected]
+    assert param.dtype == param_dtype
+    assert opt.state[param]["momentum_buffer"].dtype == param_dtype
+    assert not torch.equal(param.detach(), start)
+
+
+def test_default_ns_dtype_is_bfloat16_off_cpu() -> None:
+    assert default_ns_dtype(torch.empty(4, 4, device="meta")) == torch.bfloat16
+    assert default_ns_dtype(torch.empty(4, 4, device="meta", dtype=torch.float64)) == torch.bfloat16
+    assert default_ns_dtype(torch.empty(4, 4)) == torch.float32
+
+
+# -- coefficient sets ----------------------------------------------------------
+
+
+def polar_factor(matrix: Tensor) -> Tensor:
+    u, _, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
+    return u @ vh
+
+
+def one_step_update(grad: Tensor, **kwargs: Any) -> Tensor:
+    """The orthogonalized update Muon applies for ``grad`` (no momentum, no decay)."""
+    (after,) = run_muon(
+        [torch.zeros_like(grad)],
+        [[grad]],
+        lr=1.0,
+        weight_decay=0.0,
+        momentum=0.0,
+        nesterov=False,
+        adjust_lr_fn="match_rms_adamw",
+        **kwargs,
+    )
+    return -after.double() / (0.2 * math.sqrt(max(grad.shape)))
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (32, 96)])
+def test_polar_express_is_closer_to_the_polar_factor_than_keller(shape: tuple[int, int]) -> None:
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    target = polar_factor(grad)
+    keller = (one_step_update(grad) - target).norm() / target.norm()
+    polar = (one_step_update(grad, ns_coefficients="polar_express") - target).norm()
+    assert polar / target.norm() < keller / 2
+    # With all 8 of its steps it is orthogonal to fp32 precision.
+    full = one_step_update(grad, ns_coefficients="polar_express", ns_steps=8)
+    torch.testing.assert_close(full, target, rtol=0, atol=1e-4)
+
+
+def test_cubic_with_many_steps_converges_to_the_polar_factor() -> None:
+    grad = torch.randn(48, 48, generator=torch.Generator().manual_seed(4))
+    update = one_step_update(grad, ns_coefficients="cubic", ns_steps=40)
+    torch.testing.assert_close(update, polar_factor(grad), rtol=0, atol=1e-4)
+
+
+def test_a_set_name_means_the_same_as_its_triples() -> None:
+    grad = torch.randn(16, 24, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(one_step_update(grad, ns_coefficients="keller"), one_step_update(grad))
+    assert torch.equal(
+        one_step_update(grad, ns_coefficients="Polar-Express"),
+        one_step_update(grad, ns_coefficients=COEFFICIENT_SETS["polar_express"]),
+    )
+
+
+def test_per_iteration_coefficients_repeat_the_last_or_are_cut_to_ns_steps() -> None:
+    triples = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)]
+    assert resolve_coefficients(triples, 4) == ((3.0, -3.2, 1.2),) + ((2.0, -1.5, 0.5),) * 3
+    assert resolve_coefficients(triples, 1) == ((3.0, -3.2, 1.2),)
+    assert resolve_coefficients((1.5, -0.5, 0.0), 2) == ((1.5, -0.5, 0.0),) * 2
+    grad = torch.randn(8, 12, generator=torch.Generator().manual_seed(6))
+    expected = reference_orthogonalize(grad.double(), resolve_coefficients(triples, 4), 1e-7)
+    update = one_step_update(grad, ns_coefficients=triples, ns_steps=4)
+    torch.testing.assert_close(update, expected, rtol=0, atol=1e-5)
+
+
+def test_unknown_coefficient_set_names_it_and_lists_the_sets() -> None:
+    with pytest.raises(ValueError, match="polar_expres") as info:
+        Muon([torch.zeros(4, 4, requires_grad=True)], ns_coefficients="polar_expres")
+    message = str(info.value)
+    assert "Available: cubic, keller, polar_express." in message
+    assert "Did you mean 'polar_express'?" in message
+
+
+def test_newton_schulz_leaves_its_input_alone() -> None:
+    matrix = torch.randn(12, 8)
+    before = matrix.clone()
+    out = newton_schulz(matrix, resolve_coefficients("keller", 5))
+    assert torch.equal(matrix, before)
+    assert out.shape == matrix.shape
+
+
+# -- batching ------------------------------------------------------------------
+
+
+def test_same_shape_matrices_are_batched_and_match_one_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batch_sizes: list[int] = []
+    real = muon_module.newton_schulz_batched
+
+    def count(matrices: Sequence[Tensor], *args: Any, **kwargs: Any) -> list[Tensor]:
+        batch_sizes.append(sum(m.shape[0] for m in matrices))
+        return real(matrices, *args, **kwargs)
+
+    monkeypatch.setattr(muon_module, "newton_schulz_batched", count)
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(16, 24), (40, 8), (16, 24), (2, 16, 24), (40, 8)]
+    params = [torch.randn(*s, generator=gen) for s in shapes]
+    grads = [[torch.randn(*s, generator=gen) for s in shapes] for _ in range(2)]
+    together = run_muon(params, grads, lr=0.02)
+    assert sorted(batch_sizes[:2]) == [2, 4]  # one call per shape in the first step
+
+    for i, param in enumerate(params):
+        (alone,) = run_muon([param], [[g[i]] for g in grads], lr=0.02)
+        torch.testing.assert_close(together[i], alone, rtol=1e-6, atol=1e-6)
+
+
+def test_group_options_are_per_group() -> None:
+    # The same 3-D param read as 3 matrices in one group, as 1 in another.
+    start = torch.randn(3, 8, 10, generator=torch.Generator().manual_seed(8))
+    grads = random_grads(start.shape, 2, seed=9)
+    a = start.clone().requires_grad_()
+    b = start.clone().requires_grad_()
+    opt = Muon(
+        [{"params": [a]}, {"params": [b], "matrix_view": "flatten", "lr": 0.01}],
+        lr=0.02,
+        ns_dtype=torch.float32,
+    )
+    for g in grads:
+        a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+    assert relative_error(a.detach(), reference_muon(start, grads, (3, 8, 10)), start) < 5e-5
+    expected_b = reference_muon(start, grads, (1, 3, 80), lr=0.01)
+    assert relative_error(b.detach(), expected_b, start) < 5e-5
+
+
+# -- errors ----------------------------------------------------------------------
+
+
+def test_a_vector_param_is_refused_with_what_to_do() -> None:
+    with pytest.raises(ValueError, match=r"shape \(8,\)") as info:
+        Muon([torch.zeros(4, 8, requires_grad=True), torch.zeros(8, requires_grad=True)])
+    assert "AdamW" in str(info.value)
+    assert "partitioner='by_shape'" in str(info.value)
+    assert "adamw_params" in str(info.value)
+
+
+def test_add_param_group_refuses_a_vector_and_adds_nothing() -> None:
+    opt = Muon([torch.zeros(4, 8, requires_grad=True)])
+    with pytest.raises(ValueError, match=r"shape \(\)"):
+        opt.add_param_group({"params": [torch.tensor(1.0, requires_grad=True)]})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": [torch.zeros(2, 3, requires_grad=True)], "lr": 0.5})
+    assert opt.param_groups[1]["lr"] == 0.5
+    assert opt.param_groups[1]["matrix_view"] == "auto"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": -1.0}, "Learning rate should be >= 0"),
+        ({"lr": torch.tensor([0.1, 0.2])}, "1 element"),
+        ({"momentum": -0.1}, "momentum should be >= 0"),
+        ({"weight_decay": -0.1}, "weight decay should be >= 0"),
+        ({"eps": 0.0}, "eps should be > 0"),
+        ({"ns_steps": 0}, r"ns_steps must be in 1\.\.99"),
+        ({"ns_steps": 100}, r"ns_steps must be in 1\.\.99"),
+        ({"adjust_lr_fn": "orignal"}, "Did you mean 'original'"),
+        ({"matched_adamw_rms": 0.2, "adjust_lr_fn": "original"}, "contradicts"),
+        ({"matched_adamw_rms": -0.2}, "matched_adamw_rms should be a float > 0"),
+        ({"matrix_view": "flat"}, "Unknown matrix_view 'flat'.*Did you mean 'flatten'"),
+        ({"ns_coefficients": (1.0, 2.0)}, r"triple \(a, b, c\)"),
+        ({"ns_coefficients": [(1.0, 2.0, 3.0), (1.0, 2.0)]}, r"ns_coefficients\[1\]"),
+        ({"ns_dtype": torch.int32}, "floating-point torch.dtype"),
+    ],
+)
+def test_bad_hyperparameters_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Muon([torch.zeros(4, 4, requires_grad=True)], **kwargs)
+
+
+def test_bad_group_option_is_refused_in_that_group() -> None:
+    with pytest.raises(ValueError, match="Unknown matrix_view 'stack'"):
+        Muon([{"params": [torch.zeros(2, 2, requires_grad=True)], "matrix_view": "stack"}])
+
+
+def test_complex_params_and_sparse_grads_are_refused() -> None:
+    with pytest.raises(ValueError, match="complex"):
+        Muon([torch.zeros(4, 4, dtype=torch.complex64, requires_grad=True)])
+    param = torch.zeros(4, 4, requires_grad=True)
+    opt = Muon([param])
+    param.grad = torch.eye(4).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+
+
+# -- optimizer behaviour ---------------------------------------------------------
+
+
+def test_state_dict_round_trip_makes_the_identical_next_step() -> None:
+    torch.manual_seed(0)
+    shapes = [(16, 24), (2, 8, 12)]
+    params = [torch.randn(*s, requires_grad=True) for s in shapes]
+    opt = Muon(params, lr=0.02, ns_coefficients="polar_express", ns_dtype=torch.float32)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    fresh = Muon(copies)
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    for p, q in zip(params, copies, strict=True):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    opt.step()
+    fresh.step()
+    for p, q in zip(params, copies, strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["momentum_buffer"], fresh.state[q]["momentum_buffer"])
+
+
+def test_step_returns_the_closure_loss_and_skips_params_without_grad() -> None:
+    used = torch.randn(4, 6, requires_grad=True)
+    unused = torch.randn(4, 6, requires_grad=True)
+    before = unused.detach().clone()
+    opt = Muon([used, unused])
+
+    def closure() -> float:
+        opt.zero_grad()
+        loss = (used**2).sum()
+        loss.backward()
+        return float(loss.detach())
+
+    expected_loss = float((used.detach() ** 2).sum())
+    assert opt.step(closure) == expected_loss
+    assert torch.equal(unused.detach(), before)
+    assert unused not in opt.state
+
+
+def test_registry_finds_muon_as_a_matrix_only_optimizer() -> None:
+    entry = get_registry().get("optimizer", "muon")
+    assert entry.obj is Muon
+    assert Muon.matrix_only is True
