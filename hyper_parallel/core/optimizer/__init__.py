@@ -1,0 +1,43 @@
+"""The HyperParallel optimizer API.
+
+``Muon`` and ``AdamW`` are resolved through the plugin registry (they are
+built-in plugins), so ``from hyper_parallel.core.optimizer import Muon``
+gives whatever the registry holds under that name.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hyper_parallel.core.optimizer.chained import ChainedOptimizer
+from hyper_parallel.core.optimizer.factory import get_hyper_optimizer
+from hyper_parallel.core.optimizer.scheduler import HyperLRScheduler, get_hyper_lr_scheduler
+
+__all__ = [
+    "AdamW",
+    "ChainedOptimizer",
+    "HyperLRScheduler",
+    "Muon",
+    "get_hyper_lr_scheduler",
+    "get_hyper_optimizer",
+]
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    Muon: type[Optimizer]
+    AdamW: type[Optimizer]
+
+_REGISTERED = {"Muon": "muon", "AdamW": "adamw"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REGISTERED:
+        from hyper_parallel.core.plugin import PluginKind, get_registry
+
+        return get_registry().get(PluginKind.OPTIMIZER, _REGISTERED[name]).obj
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,235 @@
+"""``ChainedOptimizer``: several named optimizers that step as one."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = ["ChainedOptimizer"]
+
+
+class _ChainedState(Mapping[torch.Tensor, Any]):
+    """Read-only view of the sub-optimizers' ``state``, keyed by param."""
+
+    def __init__(self, optimizers: Mapping[str, Optimizer]) -> None:
+        self._optimizers = optimizers
+
+    def __getitem__(self, param: torch.Tensor) -> Any:
+        for opt in self._optimizers.values():
+            if param in opt.state:
+                return opt.state[param]
+        raise KeyError(param)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for opt in self._optimizers.values():
+            yield from opt.state
+
+    def __len__(self) -> int:
+        return sum(len(opt.state) for opt in self._optimizers.values())
+
+
+class ChainedOptimizer(Optimizer):
+    """Named optimizers (e.g. Muon for matrices, AdamW for the rest) stepped as one.
+
+    To torch's LR schedulers, ``torch.amp.GradScaler`` and user code it is an
+    ordinary :class:`torch.optim.Optimizer`:
+
+    * ``param_groups`` is the concatenation of the sub-optimizers' *own* group
+      dicts, so setting ``group["lr"]`` (as every scheduler does) reaches the
+      sub-optimizer that owns the group;
+    * ``step(closure)`` evaluates the closure once, then steps every
+      sub-optimizer in order; step pre/post hooks work as usual;
+    * ``state_dict()`` is keyed by sub-optimizer name.
+
+    Args:
+        optimizers: A mapping of name to optimizer, e.g.
+            ``{"muon": Muon(...), "adamw": AdamW(...)}``, or a sequence of
+            optimizers (named ``"0"``, ``"1"``, ...).
+
+    Example:
+        >>> opt = ChainedOptimizer({"muon": muon, "adamw": adamw})
+        >>> opt.optimizers["muon"].param_groups[0]["lr"]
+        0.02
+    """
+
+    def __init__(self, optimizers: Mapping[str, Optimizer] | Sequence[Optimizer]) -> None:
+        named = (
+            dict(optimizers)
+            if isinstance(optimizers, Mapping)
+            else {str(i): opt for i, opt in enumerate(optimizers)}
+        )
+        if not named:
+            raise ValueError("ChainedOptimizer needs at least one optimizer; got none.")
+        seen: dict[int, str] = {}
+        for name, opt in named.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"ChainedOptimizer names must be non-empty str, got {name!r}.")
+            if not isinstance(opt, Optimizer):
+                raise TypeError(
+                    f"ChainedOptimizer entry {name!r} must be a torch.optim.Optimizer, "
+                    f"got {type(opt).__name__}."
+                )
+            if isinstance(opt, ChainedOptimizer):
+                raise TypeError(f"ChainedOptimizer entry {name!r} is itself chained; flatten it.")
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) in seen:
+                        raise ValueError(
+                            f"A parameter of shape {tuple(p.shape)} is in both optimizer "
+                            f"{seen[id(p)]!r} and {name!r}; give each param to one optimizer."
+                        )
+                    seen[id(p)] = name
+        # Not Optimizer.__init__: it would build new param groups; ours are views.
+        self.optimizers: dict[str, Optimizer] = named
+        self.defaults: dict[str, Any] = {}
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = (
+            OrderedDict()
+        )
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = (
+            OrderedDict()
+        )
+        self._patch_step_function()
+
+    # -- the Optimizer surface ----------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """Every sub-optimizer's group dicts (the same objects, not copies)."""
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    @property
+    def state(self) -> Mapping[torch.Tensor, Any]:  # type: ignore[override]
+        """Read-only view of every sub-optimizer's per-param state."""
+        return _ChainedState(self.optimizers)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"optimizers": self.optimizers}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["optimizers"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        inner = "\n".join(
+            "  " + f"{name}: {opt!r}".replace("\n", "\n  ") for name, opt in self.optimizers.items()
+        )
+        return f"{type(self).__name__}(\n{inner}\n)"
+
+    def __getitem__(self, name: str) -> Optimizer:
+        return self.optimizers[name]
+
+    def __len__(self) -> int:
+        return len(self.optimizers)
+
+    def __iter__(self) -> Iterator[str]:  # type: ignore[override]
+        return iter(self.optimizers)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Evaluate ``closure`` (if given) once, then step every sub-optimizer.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers.values():
+            opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of every sub-optimizer's params."""
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any], optimizer: str | None = None) -> None:
+        """Add a param group to the sub-optimizer named ``optimizer``.
+
+        ``optimizer`` may be left out only when there is a single sub-optimizer.
+        """
+        if optimizer is None:
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    "ChainedOptimizer.add_param_group needs optimizer=<name> to know which "
+                    f"sub-optimizer gets the group; one of: {', '.join(self.optimizers)}."
+                )
+            optimizer = next(iter(self.optimizers))
+        if optimizer not in self.optimizers:
+            raise KeyError(
+                f"No sub-optimizer named {optimizer!r}; have: {', '.join(self.optimizers)}."
+            )
+        new = param_group["params"]
+        new_params = [new] if isinstance(new, torch.Tensor) else list(new)
+        for name, opt in self.optimizers.items():
+            owned = {id(p) for g in opt.param_groups for p in g["params"]}
+            for p in new_params:
+                if id(p) in owned:
+                    raise ValueError(
+                        f"A parameter of shape {tuple(p.shape)} is already optimized by {name!r}."
+                    )
+        self.optimizers[optimizer].add_param_group(param_group)
+
+    # -- state -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The sub-optimizers' state dicts, keyed by name."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state: dict[str, Any] = {name: opt.state_dict() for name, opt in self.optimizers.items()}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state)
+            if result is not None:
+                state = result
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict produced by :meth:`state_dict`.
+
+        Everything is validated before any sub-optimizer is changed, so a
+        mismatched state dict leaves this optimizer as it was.
+        """
+        sd: Mapping[str, Any] = state_dict
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, sd)
+            if result is not None:
+                sd = result
+        missing = sorted(set(self.optimizers) - set(sd))
+        unexpected = sorted(set(sd) - set(self.optimizers))
+        if missing or unexpected:
+            raise ValueError(
+                "ChainedOptimizer state dict does not match its sub-optimizers: "
+                f"missing {missing or 'none'}, unexpected {unexpected or 'none'}; "
+                f"this optimizer has {', '.join(self.optimizers)}."
+            )
+        for name, opt in self.optimizers.items():
+            _check_compatible(name, opt, sd[name])
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(sd[name])
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+
+def _check_compatible(name: str, opt: Optimizer, saved: Any) -> None:
+    if not isinstance(saved, Mapping) or "param_groups" not in saved or "state" not in saved:
+        raise ValueError(f"State of sub-optimizer {name!r} is not an optimizer state dict.")
+    groups = cast(list[dict[str, Any]], saved["param_groups"])
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(
+            f"Sub-optimizer {name!r} has {len(opt.param_groups)} param groups but the "
+            f"state dict has {len(groups)}."
+        )
+    for index, (mine, theirs) in enumerate(zip(opt.param_groups, groups, strict=True)):
+        if len(mine["params"]) != len(theirs["params"]):
+            raise ValueError(
+                f"Param group {index} of sub-optimizer {name!r} has {len(mine['params'])} params "
+                f"but the state dict has {len(theirs['params'])}."
+            )

@@ -1,0 +1,350 @@
+"""``get_hyper_optimizer``: build a ChainedOptimizer of named optimizers."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from hyper_parallel.core._suggest import accepted_keywords, check_keywords, did_you_mean
+from hyper_parallel.core.optimizer.chained import ChainedOptimizer
+from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry
+
+__all__ = ["get_hyper_optimizer"]
+
+#: Where params with fewer than two dims go when a matrix-only optimizer (Muon) is given them.
+FALLBACK_OPTIMIZER = "adamw"
+
+_MAX_NAMES_SHOWN = 5
+
+
+@dataclass
+class _Spec:
+    """One optimizer to build: its registry entry, groups and keyword arguments."""
+
+    name: str
+    entry: RegistryEntry
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    params_given: bool = False
+
+
+def _shown(names: list[str]) -> str:
+    head = ", ".join(names[:_MAX_NAMES_SHOWN])
+    more = len(names) - _MAX_NAMES_SHOWN
+    return head + (f" and {more} more" if more > 0 else "")
+
+
+def _as_groups(params: Any, where: str) -> list[dict[str, Any]]:
+    """Normalize params / (name, param) pairs / group dicts into group dicts."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            f"{where} must be a list of params or param-group dicts, got a single Tensor; wrap it in a list."
+        )
+    if isinstance(params, Mapping):
+        raise TypeError(
+            f"{where} must be a list; got a dict. For one group pass [{{'params': ...}}]."
+        )
+    items = list(params)
+    groups: list[dict[str, Any]] = []
+    loose: list[torch.Tensor] = []
+    for item in items:
+        if isinstance(item, Mapping):
+            if "params" not in item:
+                raise ValueError(f"A param group in {where} has no 'params' key.")
+            group = dict(item)
+            group["params"] = [_as_tensor(p, where) for p in _iter_params(group["params"])]
+            groups.append(group)
+        else:
+            loose.append(_as_tensor(item, where))
+    if loose:
+        groups.insert(0, {"params": loose})
+    return groups
+
+
+def _iter_params(params: Any) -> Iterable[Any]:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _as_tensor(item: Any, where: str) -> torch.Tensor:
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
+        item = item[1]  # from named_parameters()
+    if not isinstance(item, torch.Tensor):
+        raise TypeError(f"{where} holds a {type(item).__name__}, expected parameters (tensors).")
+    return item
+
+
+def _split_prefixed(prefixed: Mapping[str, Any], names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """``muon_lr=0.02`` -> ``{"muon": {"lr": 0.02}}``; longest optimizer name wins."""
+    by_length = sorted(set(names), key=len, reverse=True)
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in prefixed.items():
+        for name in by_length:
+            if key.startswith(name + "_") and len(key) > len(name) + 1:
+                out.setdefault(name, {})[key[len(name) + 1 :]] = value
+                break
+        else:
+            known = [
+                "muon_params",
+                "adamw_params",
+                "muon_kwargs",
+                "adamw_kwargs",
+                "optimizers",
+                "partitioner",
+                "partitioner_kwargs",
+                *(f"{n}_<option>" for n in by_length),
+            ]
+            raise TypeError(
+                f"get_hyper_optimizer() got an unexpected keyword argument {key!r}."
+                f"{did_you_mean(key, known)} Keyword arguments prefixed with an optimizer's name "
+                f"(e.g. 'muon_lr') configure that optimizer; optimizers here: {', '.join(by_length)}."
+            )
+    return out
+
+
+def get_hyper_optimizer(
+    model: nn.Module,
+    muon_params: Iterable[Any] | None = None,
+    adamw_params: Iterable[Any] | None = None,
+    muon_kwargs: Mapping[str, Any] | None = None,
+    adamw_kwargs: Mapping[str, Any] | None = None,
+    *,
+    optimizers: Mapping[str, Mapping[str, Any]] | None = None,
+    partitioner: str | None = None,
+    partitioner_kwargs: Mapping[str, Any] | None = None,
+    **prefixed_kwargs: Any,
+) -> ChainedOptimizer:
+    """Build the optimizers for ``model`` and chain them.
+
+    Three ways to say which params go where:
+
+    * the guide's form: ``muon_params=[...]``, ``adamw_params=[...]`` with
+      ``muon_kwargs`` / ``adamw_kwargs``;
+    * any registered optimizers by name:
+      ``optimizers={"muon": {"params": [...], "lr": 0.02}, "lion": {...}}``;
+    * a partitioner when no params are given: ``partitioner="by_shape"``
+      (the default when no params are given at all), with
+      ``partitioner_kwargs``; ``optimizers`` then only carries kwargs.
+
+    Keyword arguments prefixed with an optimizer's name (``muon_lr=0.02``,
+    ``adamw_weight_decay=0.1``) are that optimizer's options.
+
+    Rules: frozen params are skipped; a tied param counts once; an empty
+    list means that optimizer is not created. A param with fewer than two
+    dims given to a matrix-only optimizer (Muon) is optimized by AdamW instead,
+    with one warning naming it.
+
+    Returns:
+        A :class:`ChainedOptimizer` whose ``optimizers`` are keyed by name.
+
+    Raises:
+        TypeError: ``model`` is not a module, or an unknown keyword argument
+            (with a hint).
+        ValueError: a param in two groups, a trainable param in no group (the
+            first names are listed), a param not in ``model``, or no params at all.
+        UnknownPluginError: an optimizer or partitioner name nobody registered.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"get_hyper_optimizer() needs model=<nn.Module>, got {type(model).__name__}."
+        )
+    registry = get_registry()
+    specs: dict[str, _Spec] = {}
+
+    def add(name: str, params: Any, kwargs: Mapping[str, Any] | None, where: str) -> None:
+        entry = registry.get(PluginKind.OPTIMIZER, name)
+        if entry.name in specs:
+            raise ValueError(
+                f"Optimizer {entry.name!r} is configured twice ({where} and an earlier argument); "
+                "configure each optimizer once."
+            )
+        spec = _Spec(name=entry.name, entry=entry, kwargs=dict(kwargs or {}))
+        if params is not None:
+            spec.groups = _as_groups(params, where)
+            spec.params_given = True
+        specs[entry.name] = spec
+
+    if muon_params is not None or muon_kwargs is not None:
+        add("muon", muon_params, muon_kwargs, "muon_params")
+    if adamw_params is not None or adamw_kwargs is not None:
+        add("adamw", adamw_params, adamw_kwargs, "adamw_params")
+    for name, config in (optimizers or {}).items():
+        if not isinstance(config, Mapping):
+            raise TypeError(
+                f"optimizers[{name!r}] must be a dict of options, got {type(config).__name__}."
+            )
+        config = dict(config)
+        add(name, config.pop("params", None), config, f"optimizers[{name!r}]")
+
+    for name, extra in _split_prefixed(prefixed_kwargs, [*specs, "muon", "adamw"]).items():
+        if name not in specs:
+            add(name, None, None, f"{name}_* keyword arguments")
+        for key, value in extra.items():
+            if key in specs[name].kwargs:
+                raise ValueError(
+                    f"Option {key!r} of optimizer {name!r} is given twice ({name}_{key} and a dict)."
+                )
+            specs[name].kwargs[key] = value
+
+    any_given = any(s.params_given for s in specs.values())
+    if partitioner is not None and any_given:
+        raise ValueError(
+            "get_hyper_optimizer() got both explicit params and partitioner="
+            f"{partitioner!r}; use one of them."
+        )
+    if partitioner_kwargs is not None and partitioner is None and any_given:
+        raise ValueError(
+            "partitioner_kwargs was given without partitioner=...; name the partitioner."
+        )
+    if not any_given:
+        _apply_partitioner(model, partitioner or "by_shape", partitioner_kwargs or {}, specs, add)
+
+    named = _named_params(model)
+    _drop_frozen_and_duplicates(specs, named)
+    _move_vectors_off_matrix_optimizers(specs, named, add)
+
+    for spec in specs.values():
+        check_keywords(
+            spec.kwargs, accepted_keywords(spec.entry.obj, skip=1), where=f"optimizer {spec.name!r}"
+        )
+        if "params" in spec.kwargs:
+            raise TypeError(
+                f"Give the params of optimizer {spec.name!r} via its params list, not as a keyword."
+            )
+
+    _check_coverage(model, specs, named)
+    built: dict[str, Optimizer] = {}
+    for spec in specs.values():
+        if not any(g["params"] for g in spec.groups):
+            continue
+        groups = [g for g in spec.groups if g["params"]]
+        optimizer = spec.entry.obj(groups, **spec.kwargs)
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"Optimizer {spec.name!r} from {spec.entry.source} returned "
+                f"{type(optimizer).__name__}, not a torch.optim.Optimizer."
+            )
+        built[spec.name] = optimizer
+    if not built:
+        raise ValueError(
+            "get_hyper_optimizer() got no params to optimize: every group is empty "
+            "(or every param is frozen)."
+        )
+    return ChainedOptimizer(built)
+
+
+def _apply_partitioner(
+    model: nn.Module,
+    name: str,
+    options: Mapping[str, Any],
+    specs: dict[str, _Spec],
+    add: Any,
+) -> None:
+    entry = get_registry().get(PluginKind.PARTITIONER, name)
+    check_keywords(
+        options, accepted_keywords(entry.obj, skip=1), where=f"partitioner {entry.name!r}"
+    )
+    assignment = entry.obj(model, **options)
+    if not isinstance(assignment, Mapping):
+        raise TypeError(
+            f"Partitioner {entry.name!r} returned {type(assignment).__name__}, not a dict."
+        )
+    for opt_name, params in assignment.items():
+        where = f"partitioner {entry.name!r} output for {opt_name!r}"
+        key = get_registry().get(PluginKind.OPTIMIZER, opt_name).name
+        if key not in specs:
+            add(key, params, None, where)
+        else:
+            specs[key].groups = _as_groups(params, where)
+        specs[key].params_given = True
+    unassigned = [n for n, s in specs.items() if not s.params_given]
+    if unassigned:
+        raise ValueError(
+            f"Partitioner {entry.name!r} assigns params to {', '.join(map(repr, assignment))}, "
+            f"but options were given for {', '.join(map(repr, unassigned))}; "
+            "name optimizers the partitioner uses (see its matrix_optimizer/fallback_optimizer options)."
+        )
+
+
+def _named_params(model: nn.Module) -> dict[int, str]:
+    """id(param) -> its first name in ``model`` (tied params share one entry)."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+def _label(p: torch.Tensor, named: Mapping[int, str]) -> str:
+    return named.get(id(p), f"<param of shape {tuple(p.shape)}>")
+
+
+def _drop_frozen_and_duplicates(specs: dict[str, _Spec], named: Mapping[int, str]) -> None:
+    owner: dict[int, str] = {}
+    for spec in specs.values():
+        for group in spec.groups:
+            kept: list[torch.Tensor] = []
+            for p in group["params"]:
+                if id(p) not in named:
+                    raise ValueError(
+                        f"A param of shape {tuple(p.shape)} given to optimizer {spec.name!r} is not a "
+                        "parameter of model; pass params from the model you train."
+                    )
+                if not p.requires_grad:
+                    continue
+                previous = owner.get(id(p))
+                if previous == spec.name:
+                    continue  # a tied param listed twice: counted once
+                if previous is not None:
+                    raise ValueError(
+                        f"Param {_label(p, named)!r} is in the groups of both {previous!r} and "
+                        f"{spec.name!r}; give each param to exactly one optimizer."
+                    )
+                owner[id(p)] = spec.name
+                kept.append(p)
+            group["params"] = kept
+
+
+def _move_vectors_off_matrix_optimizers(
+    specs: dict[str, _Spec], named: Mapping[int, str], add: Any
+) -> None:
+    moved: list[tuple[str, torch.Tensor]] = []
+    for spec in list(specs.values()):
+        if not getattr(spec.entry.obj, "matrix_only", False):
+            continue
+        for group in spec.groups:
+            vectors = [p for p in group["params"] if p.ndim < 2]
+            if vectors:
+                group["params"] = [p for p in group["params"] if p.ndim >= 2]
+                moved.extend((spec.name, p) for p in vectors)
+    if not moved:
+        return
+    if FALLBACK_OPTIMIZER not in specs:
+        add(FALLBACK_OPTIMIZER, [], None, "params moved off a matrix-only optimizer")
+    fallback = specs[FALLBACK_OPTIMIZER]
+    fallback.groups.append({"params": [p for _, p in moved]})
+    sources = sorted({name for name, _ in moved})
+    warnings.warn(
+        f"{len(moved)} param(s) with fewer than 2 dims were listed for {', '.join(sources)}, which only "
+        f"updates matrices; optimizing them with {FALLBACK_OPTIMIZER!r} instead: "
+        f"{_shown([_label(p, named) for _, p in moved])}.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _check_coverage(model: nn.Module, specs: Mapping[str, _Spec], named: Mapping[int, str]) -> None:
+    assigned = {id(p) for s in specs.values() for g in s.groups for p in g["params"]}
+    missing = [
+        name for name, p in model.named_parameters() if p.requires_grad and id(p) not in assigned
+    ]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} trainable param(s) are in no optimizer group and would never train: "
+            f"{_shown(missing)}. Add them to muon_params/adamw_params, freeze them "
+            "(requires_grad=False), or use a partitioner (partitioner='by_shape')."
+        )

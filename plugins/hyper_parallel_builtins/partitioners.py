@@ -1,0 +1,268 @@
+"""Built-in plugin: param-group partitioners ``by_name``, ``by_shape``, ``by_module``.
+
+A partitioner decides which optimizer gets each trainable param:
+``fn(model, **options) -> {"muon": [...], "adamw": [...]}``. Values are
+lists of params or param-group dicts. Tied params appear once; frozen params
+are left out.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyper_parallel import hookimpl
+from hyper_parallel.core.plugin import RegisterFn
+
+__all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_MUON_KEYS", "by_module", "by_name", "by_shape"]
+
+#: The projection names the user guide sends to Muon.
+DEFAULT_MUON_KEYS: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+#: Module names (last path component) taken to be the output head.
+DEFAULT_HEAD_NAMES: tuple[str, ...] = (
+    "lm_head",
+    "output",
+    "output_layer",
+    "head",
+    "classifier",
+    "fc_out",
+    "score",
+)
+
+_NORM_TYPES: tuple[type[nn.Module], ...] = (
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.modules.batchnorm._NormBase,
+    getattr(nn, "RMSNorm", nn.LayerNorm),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Param:
+    name: str
+    param: torch.Tensor
+    module: nn.Module
+    module_name: str
+
+
+def _trainable(model: nn.Module) -> Iterator[_Param]:
+    """Each trainable param once (tied params under their first name), with its module."""
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for local_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            full = f"{module_name}.{local_name}" if module_name else local_name
+            yield _Param(name=full, param=param, module=module, module_name=module_name)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
+
+
+def _head_ids(model: nn.Module, head_names: Sequence[str]) -> set[int]:
+    """Params of the output head: modules named like a head, or the last Linear onto the vocab."""
+    heads: set[int] = set()
+    vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    last_vocab_linear: nn.Linear | None = None
+    for module_name, module in model.named_modules():
+        if module_name and module_name.rsplit(".", 1)[-1] in head_names:
+            heads.update(id(p) for p in module.parameters())
+        if isinstance(module, nn.Linear) and module.out_features in vocab_sizes:
+            last_vocab_linear = module
+    if last_vocab_linear is not None:
+        heads.update(id(p) for p in last_vocab_linear.parameters())
+    return heads
+
+
+def _check_options(model: nn.Module, matrix_optimizer: str, fallback_optimizer: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"A partitioner needs an nn.Module, got {type(model).__name__}.")
+    for label, value in (
+        ("matrix_optimizer", matrix_optimizer),
+        ("fallback_optimizer", fallback_optimizer),
+    ):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{label} must be an optimizer name, got {value!r}.")
+    if matrix_optimizer == fallback_optimizer:
+        raise ValueError(
+            f"matrix_optimizer and fallback_optimizer are both {matrix_optimizer!r}; "
+            "a partitioner splits params between two different optimizers."
+        )
+
+
+def _split_decay(params: list[_Param], no_decay: bool) -> list[dict[str, Any]]:
+    """The fallback optimizer's groups: decayed, and (optionally) biases/norms without decay."""
+    if not no_decay:
+        return [{"params": [p.param for p in params]}] if params else []
+    decay = [p.param for p in params if p.param.ndim >= 2 and not _is_norm(p.module)]
+    exempt = [p.param for p in params if p.param.ndim < 2 or _is_norm(p.module)]
+    groups: list[dict[str, Any]] = []
+    if decay:
+        groups.append({"params": decay})
+    if exempt:
+        groups.append({"params": exempt, "weight_decay": 0.0})
+    return groups
+
+
+def by_name(
+    model: nn.Module,
+    *,
+    keys: Sequence[str] = DEFAULT_MUON_KEYS,
+    pattern: str | None = None,
+    matrix_optimizer: str = "muon",
+    fallback_optimizer: str = "adamw",
+    no_decay: bool = False,
+) -> dict[str, list[Any]]:
+    """The user guide's split: params whose name contains one of ``keys`` go to Muon.
+
+    Args:
+        model: The model to partition.
+        keys: Name substrings that select Muon params (the guide's projection names).
+        pattern: A regular expression (``re.search`` on the full param name)
+            used instead of ``keys``.
+        matrix_optimizer: Optimizer name for the selected matrices.
+        fallback_optimizer: Optimizer name for everything else.
+        no_decay: Put biases, norms and 1-D params in a group with ``weight_decay=0``.
+
+    A selected param with fewer than two dims (``q_proj.bias``) goes to the
+    fallback optimizer: Muon only updates matrices.
+    """
+    _check_options(model, matrix_optimizer, fallback_optimizer)
+    if pattern is not None:
+        try:
+            regex = re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(
+                f"by_name pattern {pattern!r} is not a valid regular expression: {exc}"
+            ) from exc
+
+        def selected(name: str) -> bool:
+            return regex.search(name) is not None
+    else:
+        if isinstance(keys, str) or not keys or not all(isinstance(k, str) and k for k in keys):
+            raise ValueError(
+                f"by_name keys must be a non-empty list of non-empty str, got {keys!r}."
+            )
+        key_list = tuple(keys)
+
+        def selected(name: str) -> bool:
+            return any(k in name for k in key_list)
+
+    matrices: list[torch.Tensor] = []
+    rest: list[_Param] = []
+    for p in _trainable(model):
+        if selected(p.name) and p.param.ndim >= 2:
+            matrices.append(p.param)
+        else:
+            rest.append(p)
+    return {matrix_optimizer: matrices, fallback_optimizer: _split_decay(rest, no_decay)}
+
+
+def by_shape(
+    model: nn.Module,
+    *,
+    head_names: Sequence[str] = DEFAULT_HEAD_NAMES,
+    matrix_optimizer: str = "muon",
+    fallback_optimizer: str = "adamw",
+    no_decay: bool = True,
+) -> dict[str, list[Any]]:
+    """Hidden matrices (ndim >= 2) go to Muon; embeddings, the head, norms, biases and 1-D to AdamW.
+
+    Args:
+        model: The model to partition.
+        head_names: Module names taken to be the output head (the last
+            ``nn.Linear`` whose outputs match an embedding's vocabulary is a
+            head too).
+        matrix_optimizer: Optimizer name for hidden matrices.
+        fallback_optimizer: Optimizer name for everything else.
+        no_decay: Give biases, norms and 1-D params their own group with
+            ``weight_decay=0``.
+    """
+    _check_options(model, matrix_optimizer, fallback_optimizer)
+    heads = _head_ids(model, head_names)
+    matrices: list[torch.Tensor] = []
+    rest: list[_Param] = []
+    for p in _trainable(model):
+        hidden_matrix = (
+            p.param.ndim >= 2
+            and not isinstance(p.module, (nn.Embedding, nn.EmbeddingBag))
+            and id(p.param) not in heads
+            and not _is_norm(p.module)
+        )
+        if hidden_matrix:
+            matrices.append(p.param)
+        else:
+            rest.append(p)
+    return {matrix_optimizer: matrices, fallback_optimizer: _split_decay(rest, no_decay)}
+
+
+def by_module(
+    model: nn.Module,
+    *,
+    head_names: Sequence[str] = DEFAULT_HEAD_NAMES,
+    matrix_optimizer: str = "muon",
+    fallback_optimizer: str = "adamw",
+    no_decay: bool = True,
+) -> dict[str, list[Any]]:
+    """``nn.Linear`` weights go to Muon, except the output head; everything else to AdamW.
+
+    Args:
+        model: The model to partition.
+        head_names: Module names taken to be the output head (see :func:`by_shape`).
+        matrix_optimizer: Optimizer name for Linear weights.
+        fallback_optimizer: Optimizer name for everything else.
+        no_decay: Give biases, norms and 1-D params their own group with
+            ``weight_decay=0``.
+    """
+    _check_options(model, matrix_optimizer, fallback_optimizer)
+    heads = _head_ids(model, head_names)
+    matrices: list[torch.Tensor] = []
+    rest: list[_Param] = []
+    for p in _trainable(model):
+        linear_weight = (
+            isinstance(p.module, nn.Linear)
+            and p.param is p.module.weight
+            and id(p.param) not in heads
+        )
+        if linear_weight:
+            matrices.append(p.param)
+        else:
+            rest.append(p)
+    return {matrix_optimizer: matrices, fallback_optimizer: _split_decay(rest, no_decay)}
+
+
+@hookimpl
+def hyper_parallel_register_partitioners(register: RegisterFn) -> None:
+    """Register ``by_name``, ``by_shape`` and ``by_module``."""
+    register(
+        "by_name",
+        by_name,
+        description="the guide's split: q/k/v/o and gate/up/down projections to Muon",
+    )
+    register(
+        "by_shape",
+        by_shape,
+        description="hidden matrices to Muon; embeddings, head, norms, biases to AdamW",
+    )
+    register(
+        "by_module",
+        by_module,
+        description="nn.Linear weights (not the head) to Muon; the rest to AdamW",
+    )
