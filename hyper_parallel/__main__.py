@@ -1,0 +1,5 @@
+"""``python -m hyper_parallel`` runs the command-line interface."""
+
+from hyper_parallel.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""``hyper-parallel plugins`` lists every built-in with its source."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import hyper_parallel
+from hyper_parallel import get_registry
+from hyper_parallel.cli import main
+
+
+def test_plugins_json_lists_every_registered_entry(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plugins", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    listed = {(e["kind"], e["name"]) for e in report["entries"]}
+    assert listed == {(e.kind.value, e.name) for e in get_registry().entries()}
+    muon = next(e for e in report["entries"] if e["name"] == "muon")
+    assert (
+        muon["plugin"] == "muon"
+        and muon["distribution"] == f"hyper-parallel {hyper_parallel.__version__}"
+    )
+    assert muon["description"]
+    assert {p["name"] for p in report["plugins"] if p["status"] == "loaded"} >= {
+        "muon",
+        "schedules",
+        "partitioners",
+    }
+
+
+def test_plugins_table_via_the_console_script() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "hyper_parallel", "plugins"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    for heading in ("optimizers (", "LR schedules (", "partitioners (", "sharding backends ("):
+        assert heading in out
+    for entry in get_registry().entries():
+        line = next(line for line in out.splitlines() if line.strip().startswith(entry.name + " "))
+        assert f"[{entry.plugin} from hyper-parallel {hyper_parallel.__version__}]" in line
+
+
+def test_unknown_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["plugin"])
+    assert info.value.code == 2
+    assert "invalid choice: 'plugin'" in capsys.readouterr().err
