@@ -244,6 +244,8 @@ def test_constructor_errors(model: nn.Module) -> None:
         ChainedOptimizer({})
     with pytest.raises(TypeError, match="entry 'x' must be a torch.optim.Optimizer"):
         ChainedOptimizer({"x": object()})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match=r"entry 'lbfgs' \(LBFGS\) re-evaluates a closure"):
+        ChainedOptimizer({"lbfgs": torch.optim.LBFGS(matrices)})
     with pytest.raises(ValueError, match="in both optimizer 'a' and 'b'"):
         ChainedOptimizer(
             {"a": torch.optim.SGD(matrices, lr=1), "b": torch.optim.SGD(matrices[:1], lr=1)}

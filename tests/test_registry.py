@@ -342,3 +342,53 @@ def test_really_installed_distribution_is_selected_by_name(
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * 0.25)
     with pytest.raises(TypeError, match="Unknown keyword argument 'evry'.*Did you mean 'every'"):
         get_hyper_lr_scheduler(optimizer, "halving", total_steps=30, evry=2)
+
+
+def test_duplicate_name_within_one_plugin_is_an_error() -> None:
+    @hookimpl
+    def hyper_parallel_register_optimizers(register: Any) -> None:
+        register("twice", torch.optim.SGD)
+        register("Twice", torch.optim.Adam)
+
+    with pytest.raises(DuplicatePluginError, match="'twice' is registered twice"):
+        register_plugin(
+            _module("twice", hyper_parallel_register_optimizers=hyper_parallel_register_optimizers)
+        )
+    assert "twice" not in {p.name for p in get_registry().plugins()}
+
+
+def test_misspelt_hook_is_reported_not_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    @hookimpl
+    def hyper_parallel_register_optimizer(register: Any) -> None:  # singular: not a hook
+        register("never", torch.optim.SGD)
+
+    typo = _module("typo_mod", hyper_parallel_register_optimizer=hyper_parallel_register_optimizer)
+    with pytest.raises(
+        PluginLoadError,
+        match="unknown hook 'hyper_parallel_register_optimizer'.*the hooks are: hyper_parallel_register_optimizers",
+    ):
+        register_plugin(typo, name="typo")
+    _install_fakes(
+        monkeypatch, (_FakeDist("typo-dist", "1.0", {"typo": "typo_mod"}), {"typo_mod": typo})
+    )
+    with pytest.warns(RuntimeWarning, match="Plugin 'typo' .*typo-dist 1.0.*unknown hook"):
+        failures = get_registry().failures()
+    assert [f.plugin for f in failures] == ["typo"]
+
+
+def test_plugin_whose_hook_fails_is_listed_once_as_failed() -> None:
+    @hookimpl
+    def hyper_parallel_register_partitioners(register: Any) -> None:
+        raise RuntimeError("nope")
+
+    with pytest.warns(RuntimeWarning, match="failed in hyper_parallel_register_partitioners"):
+        register_plugin(
+            _module(
+                "half", hyper_parallel_register_partitioners=hyper_parallel_register_partitioners
+            )
+        )
+    try:
+        records = [p for p in get_registry().plugins() if p.name == "half"]
+        assert [(p.status, "nope" in (p.error or "")) for p in records] == [("failed", True)]
+    finally:
+        unregister_plugin("half")

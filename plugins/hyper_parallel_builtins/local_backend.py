@@ -36,7 +36,8 @@ class LocalBackend(ShardingBackend):
         if options:
             raise TypeError(
                 f"The 'local' backend does not shard and takes no options; got {sorted(options)}. "
-                "Use the 'fsdp' or 'hsdp' backend to shard a model."
+                "Select a sharding backend by name to shard a model (hyper-parallel plugins "
+                "lists the installed ones)."
             )
         return module
 

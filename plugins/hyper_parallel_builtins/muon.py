@@ -67,8 +67,10 @@ def default_ns_dtype(param: Tensor) -> torch.dtype:
     """The Newton-Schulz dtype used for ``param`` when ``ns_dtype=None``.
 
     bfloat16 on an accelerator (CUDA, NPU, anything not a CPU), where bf16
-    matmuls are fast; on a CPU, where bf16 matmuls are many times slower than
-    fp32, float32 (float64 for a float64 param).
+    matmuls run at several times the fp32 rate; float32 on a CPU (float64 for
+    a float64 param), where bf16 is often far slower than fp32 (CPUs without
+    native bf16 matmul emulate it) and, where it is fast, still loses
+    precision the CPU does not need to lose. Pass ``ns_dtype`` to choose.
     """
     if param.device.type != "cpu":
         return torch.bfloat16
@@ -212,7 +214,7 @@ class Muon(torch.optim.Optimizer):
         ValueError: a param with fewer than 2 dims or complex, or an
             out-of-range or unknown option.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
         >>> matrices = [p for p in model.parameters() if p.ndim >= 2]
         >>> opt = Muon(matrices, lr=0.02, momentum=0.95, ns_coefficients="polar_express")

@@ -230,7 +230,7 @@ def newton_schulz(
 ) -> Tensor:
     """Orthogonalize ``matrix`` (shape ``(..., m, n)``); see :func:`newton_schulz_batched`.
 
-    Example:
+    Examples:
         >>> g = torch.randn(64, 32)
         >>> o = newton_schulz(g, resolve_coefficients("cubic", 40))
         >>> torch.allclose(o.mT @ o, torch.eye(32), atol=1e-4)

@@ -20,8 +20,8 @@ class ShardingBackend(abc.ABC):
 
     A backend is registered by class through
     ``hyper_parallel_register_sharding_backends`` and instantiated without
-    arguments. Subclasses implement all three methods; ``name`` is set by
-    the registry entry's name for messages.
+    arguments. Subclasses implement all three methods and set ``name`` (the
+    name they are registered under, used in messages).
     """
 
     name: ClassVar[str] = ""

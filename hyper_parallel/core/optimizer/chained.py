@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
@@ -50,7 +51,7 @@ class ChainedOptimizer(Optimizer):
             ``{"muon": Muon(...), "adamw": AdamW(...)}``, or a sequence of
             optimizers (named ``"0"``, ``"1"``, ...).
 
-    Example:
+    Examples:
         >>> opt = ChainedOptimizer({"muon": muon, "adamw": adamw})
         >>> opt.optimizers["muon"].param_groups[0]["lr"]
         0.02
@@ -75,6 +76,11 @@ class ChainedOptimizer(Optimizer):
                 )
             if isinstance(opt, ChainedOptimizer):
                 raise TypeError(f"ChainedOptimizer entry {name!r} is itself chained; flatten it.")
+            if _needs_closure(opt):
+                raise TypeError(
+                    f"ChainedOptimizer entry {name!r} ({type(opt).__name__}) re-evaluates a closure "
+                    "inside every step, which a chain cannot give each part; step it on its own."
+                )
             for group in opt.param_groups:
                 for p in group["params"]:
                     if id(p) in seen:
@@ -216,6 +222,15 @@ class ChainedOptimizer(Optimizer):
             opt.load_state_dict(sd[name])
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _needs_closure(opt: Optimizer) -> bool:
+    """Whether ``opt.step`` has a required ``closure`` argument (LBFGS)."""
+    try:
+        closure = inspect.signature(type(opt).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _check_compatible(name: str, opt: Optimizer, saved: Any) -> None:

@@ -433,7 +433,7 @@ def get_hyper_lr_scheduler(
 ) -> HyperLRScheduler:
     """Build a :class:`HyperLRScheduler` for ``optimizer`` from a schedule name.
 
-    Example:
+    Examples:
         >>> scheduler = get_hyper_lr_scheduler(
         ...     optimizer, "cosine", total_steps=10_000, warmup_steps=500, lr_min=3e-5
         ... )

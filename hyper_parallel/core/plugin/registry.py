@@ -306,7 +306,7 @@ class Registry:
                     continue
                 try:
                     obj = ep.load()
-                    pm.register(obj, name=ep.name)
+                    _register_checked(pm, obj, ep.name)
                 except Exception as exc:
                     error = PluginLoadError(
                         f"Plugin {ep.name!r} (entry point {ep.value!r} of {label}) failed to load: "
@@ -335,7 +335,14 @@ class Registry:
                     LoadedPlugin(name=name, distribution=None, entry_point=None, status="disabled")
                 )
                 continue
-            pm.register(obj, name=name)
+            try:
+                _register_checked(pm, obj, name)
+            except Exception as exc:
+                raise PluginLoadError(
+                    f"Plugin {name!r} (registered in-process) is not a valid plugin: {exc}",
+                    plugin=name,
+                    distribution=None,
+                ) from exc
             origin[name] = None
             plugins.append(
                 LoadedPlugin(name=name, distribution=None, entry_point=None, status="loaded")
@@ -358,6 +365,8 @@ class Registry:
                 )
                 try:
                     impl.function(register=register)
+                except DuplicatePluginError:
+                    raise  # a name clash is never a plugin's private failure
                 except Exception as exc:
                     source = origin.get(impl.plugin_name)
                     error = PluginLoadError(
@@ -373,6 +382,7 @@ class Registry:
                         status="failed",
                         error=str(error),
                     )
+                    plugins[:] = [p for p in plugins if p.name != impl.plugin_name]
                     fail(error, record, exc)
                     continue
                 for entry in staged:
@@ -420,6 +430,18 @@ class Registry:
             staged.append(entry)
 
         return register
+
+
+def _register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    """Register with pluggy, rejecting hookimpls that match no hookspec (a misspelt hook)."""
+    pm.register(plugin, name=name)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        pm.unregister(name=name)
+        raise pluggy.PluginValidationError(
+            plugin, f"{exc}; the hooks are: {', '.join(k.hook_name for k in PluginKind)}"
+        ) from None
 
 
 def _first_doc_line(obj: Any) -> str:
