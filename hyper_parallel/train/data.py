@@ -1,0 +1,198 @@
+"""Training data for ``hyper-parallel train``: a built-in synthetic language, or a text file.
+
+The built-in corpus is generated deterministically at run time (nothing is
+downloaded). It mixes two kinds of lines:
+
+* sentences of a small grammar with subject-verb agreement that reaches
+  across relative clauses ("the old foxes that chase a bird sleep ."), so a
+  model must track number over a distance;
+* two-digit addition facts ("47 + 18 = 65 ."), whose answers have to be
+  computed, not memorised: some sums (every pair whose first operand is
+  congruent to 3 mod 7) appear only in the validation split.
+
+Text is tokenized per character, over a fixed alphabet for the built-in
+data, or per byte / per character for a user's file.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "SYNTHETIC_ALPHABET",
+    "DataError",
+    "TokenizedText",
+    "batches",
+    "load_text_file",
+    "synthetic_corpus",
+]
+
+_NOUNS = (
+    ("cat", "cats"), ("dog", "dogs"), ("bird", "birds"), ("fox", "foxes"),
+    ("child", "children"), ("teacher", "teachers"), ("robot", "robots"),
+    ("farmer", "farmers"), ("horse", "horses"), ("student", "students"),
+)  # fmt: skip
+_TRANSITIVE = (
+    ("sees", "see"), ("chases", "chase"), ("likes", "like"), ("helps", "help"),
+    ("finds", "find"), ("follows", "follow"), ("watches", "watch"),
+)  # fmt: skip
+_INTRANSITIVE = (("sleeps", "sleep"), ("runs", "run"), ("sings", "sing"), ("waits", "wait"))
+_ADJECTIVES = ("big", "small", "red", "quiet", "happy", "old", "young", "clever")
+_DETERMINERS = (("the", "a", "this", "every"), ("the", "some", "these", "many"))
+_PREPOSITIONS = ("near", "behind", "under", "with")
+
+#: The built-in corpus's alphabet (index = token id).
+SYNTHETIC_ALPHABET = "\n +.=0123456789abcdefghijklmnopqrstuvwxyz"
+
+_HELD_OUT_MOD = 7
+_HELD_OUT_REMAINDER = 3
+
+
+class DataError(ValueError):
+    """The training data cannot be used (missing, empty or binary file)."""
+
+
+def _noun_phrase(rng: random.Random, plural: int) -> str:
+    words = [rng.choice(_DETERMINERS[plural])]
+    if rng.random() < 0.5:
+        words.append(rng.choice(_ADJECTIVES))
+    words.append(rng.choice(_NOUNS)[plural])
+    return " ".join(words)
+
+
+def _sentence(rng: random.Random) -> str:
+    plural = rng.randrange(2)
+    subject = _noun_phrase(rng, plural)
+    if rng.random() < 0.4:  # a relative clause with its own number between subject and verb
+        inner = rng.randrange(2)
+        subject += f" that {rng.choice(_TRANSITIVE)[plural]} {_noun_phrase(rng, inner)}"
+    if rng.random() < 0.3:
+        predicate = rng.choice(_INTRANSITIVE)[plural]
+    else:
+        predicate = f"{rng.choice(_TRANSITIVE)[plural]} {_noun_phrase(rng, rng.randrange(2))}"
+        if rng.random() < 0.3:
+            predicate += f" {rng.choice(_PREPOSITIONS)} {_noun_phrase(rng, rng.randrange(2))}"
+    return f"{subject} {predicate} ."
+
+
+def _addition(rng: random.Random, held_out: bool) -> str:
+    while True:
+        a, b = rng.randrange(100), rng.randrange(100)
+        if (a % _HELD_OUT_MOD == _HELD_OUT_REMAINDER) == held_out:
+            return f"{a} + {b} = {a + b} ."
+
+
+def _lines(seed: int, held_out_sums: bool) -> Iterator[str]:
+    rng = random.Random(seed)
+    while True:
+        yield _addition(rng, held_out_sums) if rng.random() < 0.35 else _sentence(rng)
+
+
+@dataclass(frozen=True)
+class TokenizedText:
+    """Token ids of a train and a validation split, and how to decode them."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    alphabet: str | None  # None: byte-level (vocab 256)
+    source: str
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 if self.alphabet is None else len(self.alphabet)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.alphabet is None:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return "".join(self.alphabet[i] for i in ids)
+
+
+def _encode(text: str, alphabet: str) -> torch.Tensor:
+    table = {ch: i for i, ch in enumerate(alphabet)}
+    return torch.tensor([table[ch] for ch in text], dtype=torch.long)
+
+
+def synthetic_corpus(
+    *, train_chars: int = 1_000_000, val_chars: int = 50_000, seed: int = 0
+) -> TokenizedText:
+    """The built-in corpus: grammar sentences and addition facts, with a held-out split.
+
+    The validation split comes from another seed, and its addition facts are
+    the held-out pairs the train split never shows.
+    """
+
+    def take(lines: Iterator[str], n: int) -> str:
+        parts: list[str] = []
+        size = 0
+        while size < n:
+            line = next(lines) + "\n"
+            parts.append(line)
+            size += len(line)
+        return "".join(parts)
+
+    train = take(_lines(seed, held_out_sums=False), train_chars)
+    val = take(_lines(seed + 1_000_003, held_out_sums=True), val_chars)
+    return TokenizedText(
+        train=_encode(train, SYNTHETIC_ALPHABET),
+        val=_encode(val, SYNTHETIC_ALPHABET),
+        alphabet=SYNTHETIC_ALPHABET,
+        source="built-in synthetic language (grammar + two-digit addition)",
+    )
+
+
+def load_text_file(
+    path: str | Path, *, tokenizer: str = "char", val_fraction: float = 0.1
+) -> TokenizedText:
+    """Tokenize a UTF-8 text file; the last ``val_fraction`` of it is the validation split.
+
+    Raises:
+        DataError: the file is missing, not a file, empty, too short to
+            split, or binary (not UTF-8 text).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"--data {path}: no such file")
+    if not p.is_file():
+        raise DataError(f"--data {path}: not a regular file")
+    raw = p.read_bytes()
+    if not raw.strip():
+        raise DataError(f"--data {path}: the file is empty")
+    if b"\x00" in raw:
+        raise DataError(f"--data {path}: looks binary (contains NUL bytes); give a UTF-8 text file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"--data {path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from exc
+    if tokenizer == "byte":
+        ids = torch.tensor(list(raw), dtype=torch.long)
+        alphabet = None
+    elif tokenizer == "char":
+        alphabet = "".join(sorted(set(text)))
+        ids = _encode(text, alphabet)
+    else:
+        raise DataError(f"--tokenizer {tokenizer!r}: use 'char' or 'byte'")
+    split = int(len(ids) * (1 - val_fraction))
+    if split < 64 or len(ids) - split < 16:
+        raise DataError(
+            f"--data {path}: too short to train on ({len(ids)} tokens; need at least 100)"
+        )
+    return TokenizedText(train=ids[:split], val=ids[split:], alphabet=alphabet, source=str(p))
+
+
+def batches(
+    ids: torch.Tensor, *, batch_size: int, seq_len: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """Endless random windows of ``seq_len + 1`` tokens, ``batch_size`` at a time."""
+    if len(ids) <= seq_len + 1:
+        raise DataError(f"the data has {len(ids)} tokens, fewer than --seq-len + 2 = {seq_len + 2}")
+    offsets = torch.arange(seq_len + 1)
+    while True:
+        starts = torch.randint(0, len(ids) - seq_len - 1, (batch_size, 1), generator=generator)
+        yield ids[starts + offsets]

@@ -1,0 +1,404 @@
+"""The training run behind ``hyper-parallel train``."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from hyper_parallel.core.errors import HyperParallelError
+from hyper_parallel.core.optimizer import (
+    ChainedOptimizer,
+    get_hyper_lr_scheduler,
+    get_hyper_optimizer,
+)
+from hyper_parallel.core.plugin import PluginKind, get_registry
+from hyper_parallel.train.data import TokenizedText, batches, load_text_file, synthetic_corpus
+from hyper_parallel.train.model import GPTConfig, TinyGPT
+
+__all__ = ["MUON_ADAMW", "RunResult", "TrainConfig", "TrainError", "steps_to_reach", "train"]
+
+#: The default optimizer: Muon for hidden matrices, AdamW for the rest.
+MUON_ADAMW = "muon+adamw"
+
+
+class TrainError(ValueError):
+    """A training option or input that cannot be used; the message says which and why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything one ``hyper-parallel train`` invocation needs."""
+
+    optimizer: str = MUON_ADAMW
+    compare: str | None = None
+    partitioner: str = "by_shape"
+    scheduler: str = "cosine"
+    steps: int = 400
+    warmup_steps: int | None = None  # None: 5% of steps
+    lr: float = 3e-3
+    muon_lr: float = 0.02
+    weight_decay: float = 0.0
+    batch_size: int = 32
+    seq_len: int = 128
+    dim: int = 128
+    layers: int = 4
+    heads: int = 4
+    tied_embeddings: bool = False
+    eval_every: int = 25
+    eval_batches: int = 8
+    log_every: int = 5
+    seed: int = 0
+    data: Path | None = None
+    tokenizer: str = "char"
+    out: Path = Path("runs/train")
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Raise :class:`TrainError` for the first unusable option."""
+        positive = (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "dim",
+            "layers",
+            "heads",
+            "eval_every",
+            "eval_batches",
+            "log_every",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise TrainError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+            raise TrainError(
+                f"--warmup-steps must be between 0 and --steps ({self.steps}), got {self.warmup_steps}"
+            )
+        for name in ("lr", "muon_lr"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise TrainError(
+                    f"--{name.replace('_', '-')} must be a positive number, got {value}"
+                )
+        if self.weight_decay < 0:
+            raise TrainError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.dim % self.heads:
+            raise TrainError(f"--dim ({self.dim}) must be divisible by --heads ({self.heads})")
+        if self.tokenizer not in ("char", "byte"):
+            raise TrainError(f"--tokenizer must be 'char' or 'byte', got {self.tokenizer!r}")
+        registry = get_registry()
+        for flag, choice in (("--optimizer", self.optimizer), ("--compare", self.compare)):
+            if choice is not None and choice != MUON_ADAMW:
+                try:
+                    registry.get(PluginKind.OPTIMIZER, choice)
+                except HyperParallelError as exc:
+                    raise TrainError(f"{flag}: {exc}") from None
+        for flag, kind, name in (
+            ("--partitioner", PluginKind.PARTITIONER, self.partitioner),
+            ("--scheduler", PluginKind.LR_SCHEDULER, self.scheduler),
+        ):
+            try:
+                registry.get(kind, name)
+            except HyperParallelError as exc:
+                raise TrainError(f"{flag}: {exc}") from None
+
+
+@dataclass
+class RunResult:
+    """What one optimizer's run produced."""
+
+    name: str
+    steps_done: int
+    train_losses: list[tuple[int, float]] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    interrupted: bool = False
+
+    @property
+    def final_val_loss(self) -> float | None:
+        return self.val_losses[-1][1] if self.val_losses else None
+
+
+def load_data(config: TrainConfig) -> TokenizedText:
+    """The built-in corpus, or ``--data``'s file."""
+    if config.data is None:
+        return synthetic_corpus(seed=config.seed)
+    return load_text_file(config.data, tokenizer=config.tokenizer)
+
+
+def build_optimizer(config: TrainConfig, name: str, model: torch.nn.Module) -> ChainedOptimizer:
+    """``muon+adamw`` through a partitioner, or one named optimizer on every param.
+
+    A single optimizer gets two groups: params with two or more dims, with
+    weight decay, and the rest (norms, biases) without.
+    """
+    if name == MUON_ADAMW:
+        return get_hyper_optimizer(
+            model,
+            partitioner=config.partitioner,
+            muon_kwargs={"lr": config.muon_lr, "weight_decay": config.weight_decay},
+            adamw_kwargs={"lr": config.lr, "weight_decay": config.weight_decay},
+        )
+    entry = get_registry().get(PluginKind.OPTIMIZER, name)
+    lr = config.muon_lr if entry.name == "muon" else config.lr
+    params = [p for p in model.parameters() if p.requires_grad]
+    matrices = [p for p in params if p.ndim >= 2]
+    vectors = [p for p in params if p.ndim < 2]
+    groups: list[dict[str, Any]] = [{"params": matrices, "weight_decay": config.weight_decay}]
+    if vectors:
+        groups.append({"params": vectors, "weight_decay": 0.0})
+    try:
+        return get_hyper_optimizer(model, optimizers={entry.name: {"params": groups, "lr": lr}})
+    except (TypeError, ValueError) as exc:
+        raise TrainError(f"--optimizer {name}: {exc}") from None
+
+
+def steps_to_reach(val_losses: list[tuple[int, float]], target: float) -> float | None:
+    """First (linearly interpolated) step at which a validation curve reaches ``target``."""
+    previous: tuple[int, float] | None = None
+    for step, loss in val_losses:
+        if loss <= target:
+            if previous is None or previous[1] == loss:
+                return float(step)
+            (s0, l0) = previous
+            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
+        previous = (step, loss)
+    return None
+
+
+class _Metrics:
+    """Appends one JSON object per line and flushes, so an interrupted run keeps its log."""
+
+    def __init__(self, path: Path) -> None:
+        self._file: TextIO = path.open("w", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _evaluate(model: TinyGPT, val_batches: list[torch.Tensor]) -> float:
+    model.eval()
+    with torch.no_grad():
+        loss = sum(float(model.loss(b)) for b in val_batches) / len(val_batches)
+    model.train()
+    return loss
+
+
+def _lrs(optimizer: ChainedOptimizer) -> dict[str, float]:
+    return {name: float(opt.param_groups[0]["lr"]) for name, opt in optimizer.optimizers.items()}
+
+
+def run_one(
+    config: TrainConfig,
+    name: str,
+    data: TokenizedText,
+    metrics: _Metrics,
+    progress_factory: Callable[..., Any] | None,
+) -> RunResult:
+    """Train a fresh model with optimizer ``name``; every run sees the same init and batches."""
+    torch.manual_seed(config.seed)
+    model = TinyGPT(
+        GPTConfig(
+            vocab_size=data.vocab_size,
+            seq_len=config.seq_len,
+            dim=config.dim,
+            layers=config.layers,
+            heads=config.heads,
+            mlp_hidden=_mlp_hidden(config.dim),
+            tied_embeddings=config.tied_embeddings,
+        )
+    )
+    optimizer = build_optimizer(config, name, model)
+    warmup = config.warmup_steps if config.warmup_steps is not None else max(1, config.steps // 20)
+    try:
+        scheduler = get_hyper_lr_scheduler(
+            optimizer, config.scheduler, total_steps=config.steps, warmup_steps=warmup
+        )
+    except (TypeError, ValueError) as exc:
+        raise TrainError(f"--scheduler {config.scheduler}: {exc}") from None
+    train_iter = batches(
+        data.train, batch_size=config.batch_size, seq_len=config.seq_len,
+        generator=torch.Generator().manual_seed(config.seed),
+    )  # fmt: skip
+    val_iter = batches(
+        data.val, batch_size=config.batch_size, seq_len=config.seq_len,
+        generator=torch.Generator().manual_seed(config.seed + 1),
+    )  # fmt: skip
+    val_batches = [next(val_iter) for _ in range(config.eval_batches)]
+    result = RunResult(name=name, steps_done=0)
+    tokens_per_step = config.batch_size * config.seq_len
+    bar = progress_factory(total=config.steps, desc=name) if progress_factory else None
+    start = time.perf_counter()
+    window_start, window_steps = start, 0
+    try:
+        result.val_losses.append((0, _evaluate(model, val_batches)))
+        metrics.write({"run": name, "step": 0, "val_loss": result.val_losses[-1][1]})
+        for step in range(1, config.steps + 1):
+            lrs = _lrs(optimizer)
+            loss = model.loss(next(train_iter))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise TrainError(
+                    f"{name}: the loss became {value} at step {step}; lower the learning rate"
+                )
+            result.train_losses.append((step, value))
+            result.steps_done = step
+            window_steps += 1
+            if step % config.log_every == 0 or step == config.steps:
+                now = time.perf_counter()
+                tps = tokens_per_step * window_steps / max(now - window_start, 1e-9)
+                window_start, window_steps = now, 0
+                metrics.write(
+                    {
+                        "run": name,
+                        "step": step,
+                        "train_loss": value,
+                        "lr": lrs,
+                        "tokens_per_s": round(tps),
+                    }
+                )
+                if bar is not None:
+                    bar.set_postfix(
+                        {
+                            "loss": f"{value:.3f}",
+                            **{f"lr_{k}": f"{v:.2e}" for k, v in lrs.items()},
+                            "tok/s": f"{tps:,.0f}",
+                        },
+                        refresh=False,
+                    )
+            if step % config.eval_every == 0 or step == config.steps:
+                result.val_losses.append((step, _evaluate(model, val_batches)))
+                metrics.write({"run": name, "step": step, "val_loss": result.val_losses[-1][1]})
+            if bar is not None:
+                bar.update(1)
+    except KeyboardInterrupt:
+        result.interrupted = True
+    finally:
+        if bar is not None:
+            bar.close()
+    result.seconds = time.perf_counter() - start
+    result.tokens_per_s = tokens_per_step * result.steps_done / max(result.seconds, 1e-9)
+    return result
+
+
+def _mlp_hidden(dim: int) -> int:
+    """SwiGLU width: 8/3 of dim, rounded up to a multiple of 32."""
+    return -(-8 * dim // 3 // 32) * 32
+
+
+def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult]) -> dict[str, Any]:
+    runs = {
+        r.name: {
+            "steps": r.steps_done,
+            "final_train_loss": r.train_losses[-1][1] if r.train_losses else None,
+            "final_val_loss": r.final_val_loss,
+            "best_val_loss": min((v for _, v in r.val_losses), default=None),
+            "seconds": round(r.seconds, 2),
+            "tokens_per_s": round(r.tokens_per_s),
+            "interrupted": r.interrupted,
+        }
+        for r in results
+    }
+    summary: dict[str, Any] = {
+        "data": data.source,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "runs": runs,
+    }
+    if len(results) == 2 and not any(r.interrupted for r in results):
+        ours, baseline = results
+        target = baseline.final_val_loss
+        if target is not None:
+            reached = steps_to_reach(ours.val_losses, target)
+            summary["comparison"] = {
+                "target_val_loss": target,
+                "baseline": baseline.name,
+                "baseline_steps": baseline.steps_done,
+                "steps_to_reach": reached,
+                "step_ratio": None if reached is None else reached / baseline.steps_done,
+            }
+    return summary
+
+
+def _print_summary(summary: dict[str, Any], out: Path, echo: Callable[[str], None]) -> None:
+    echo(f"data: {summary['data']}")
+    for name, run in summary["runs"].items():
+        flag = "  (interrupted)" if run["interrupted"] else ""
+        val = run["final_val_loss"]
+        echo(
+            f"{name:>14}: {run['steps']} steps in {run['seconds']:.0f} s, {run['tokens_per_s']:,} tok/s, "
+            f"train loss {run['final_train_loss']:.4f}, val loss {val:.4f}{flag}"
+            if run["final_train_loss"] is not None and val is not None
+            else f"{name:>14}: {run['steps']} steps{flag}"
+        )
+    cmp = summary.get("comparison")
+    if cmp:
+        if cmp["steps_to_reach"] is None:
+            echo(
+                f"{next(iter(summary['runs']))} did not reach {cmp['baseline']}'s final val loss {cmp['target_val_loss']:.4f}"
+            )
+        else:
+            echo(
+                f"{next(iter(summary['runs']))} reached {cmp['baseline']}'s final val loss "
+                f"{cmp['target_val_loss']:.4f} at step {cmp['steps_to_reach']:.0f} of {cmp['baseline_steps']} "
+                f"(step ratio {cmp['step_ratio']:.2f})"
+            )
+    echo(f"wrote {out / 'metrics.jsonl'}, {out / 'loss_curves.png'}, {out / 'summary.json'}")
+
+
+def train(config: TrainConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run ``config`` (and its ``--compare`` run); write metrics, plot and summary to ``config.out``.
+
+    Returns:
+        The summary (also written to ``summary.json``).
+
+    Raises:
+        TrainError, DataError: an unusable option or input.
+        KeyboardInterrupt: never; Ctrl-C ends the current run early, and what
+            was written so far is kept (``summary["runs"][...]["interrupted"]``).
+    """
+    from hyper_parallel.train.plot import plot_losses
+
+    config.validate()
+    data = load_data(config)
+    config.out.mkdir(parents=True, exist_ok=True)
+    progress = _progress_factory() if config.progress else None
+    metrics = _Metrics(config.out / "metrics.jsonl")
+    results: list[RunResult] = []
+    try:
+        for name in [config.optimizer, *([config.compare] if config.compare else [])]:
+            results.append(run_one(config, name, data, metrics, progress))
+            if results[-1].interrupted:
+                break
+    finally:
+        metrics.close()
+    plot_losses(results, config.out / "loss_curves.png", title=f"{data.source}")
+    summary = _summary(config, data, results)
+    (config.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    _print_summary(summary, config.out, echo)
+    return summary
+
+
+def _progress_factory() -> Callable[..., Any]:
+    from tqdm.auto import tqdm
+
+    def factory(*, total: int, desc: str) -> Any:
+        return tqdm(total=total, desc=desc, dynamic_ncols=True, leave=True, mininterval=0.5)
+
+    return factory

@@ -1,0 +1,256 @@
+"""``hyper-parallel train``: outputs, learning, comparison, interruption and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyper_parallel.cli import main
+from hyper_parallel.train import TinyGPT, steps_to_reach, synthetic_corpus
+from hyper_parallel.train.data import SYNTHETIC_ALPHABET
+
+TINY = [
+    "--dim",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--no-progress",
+]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_writes_every_output_and_learns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                "--steps",
+                "30",
+                "--eval-every",
+                "10",
+                "--lr",
+                "1e-2",
+                "--out",
+                str(out),
+                *TINY,
+            ]
+        )
+        == 0
+    )
+    records = read_metrics(out)
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    train = [r for r in records if "train_loss" in r]
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 10, 20, 30]
+    assert val[-1] < val[0] - 0.3, val  # it learned something
+    assert set(train[0]["lr"]) == {"muon", "adamw"} and train[0]["tokens_per_s"] > 0
+    png = (out / "loss_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    summary = json.loads((out / "summary.json").read_text())
+    run = summary["runs"]["muon+adamw"]
+    assert run["steps"] == 30 and run["final_val_loss"] == pytest.approx(val[-1])
+    assert "muon+adamw: 30 steps" in capsys.readouterr().out
+
+
+def test_compare_plots_both_runs_and_reports_the_step_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    assert (
+        main(
+            [
+                "train",
+                "--steps",
+                "12",
+                "--eval-every",
+                "4",
+                "--compare",
+                "adamw",
+                "--out",
+                str(out),
+                *TINY,
+            ]
+        )
+        == 0
+    )
+    runs = {r["run"] for r in read_metrics(out)}
+    assert runs == {"muon+adamw", "adamw"}
+    summary = json.loads((out / "summary.json").read_text())
+    cmp = summary["comparison"]
+    assert cmp["baseline"] == "adamw" and cmp["baseline_steps"] == 12
+    assert cmp["target_val_loss"] == pytest.approx(summary["runs"]["adamw"]["final_val_loss"])
+    if cmp["steps_to_reach"] is not None:
+        assert cmp["step_ratio"] == pytest.approx(cmp["steps_to_reach"] / 12)
+
+
+def test_any_registered_optimizer_by_name(tmp_path: Path) -> None:
+    out = tmp_path / "sgd"
+    assert (
+        main(
+            [
+                "train",
+                "--optimizer",
+                "sgd",
+                "--lr",
+                "0.5",
+                "--steps",
+                "4",
+                "--eval-every",
+                "2",
+                "--out",
+                str(out),
+                *TINY,
+            ]
+        )
+        == 0
+    )
+    assert {k for r in read_metrics(out) if "lr" in r for k in r["lr"]} == {"sgd"}
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_what_was_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = {"n": 0}
+    real_loss = TinyGPT.loss
+
+    def interrupted_loss(self: TinyGPT, batch: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 8:
+                raise KeyboardInterrupt
+        return real_loss(self, batch)
+
+    monkeypatch.setattr(TinyGPT, "loss", interrupted_loss)
+    out = tmp_path / "stop"
+    assert (
+        main(
+            [
+                "train",
+                "--steps",
+                "50",
+                "--eval-every",
+                "5",
+                "--compare",
+                "adamw",
+                "--out",
+                str(out),
+                *TINY,
+            ]
+        )
+        == 130
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["runs"]) == ["muon+adamw"]  # the compare run never started
+    assert summary["runs"]["muon+adamw"]["interrupted"]
+    assert summary["runs"]["muon+adamw"]["steps"] == 7
+    assert [r["step"] for r in read_metrics(out) if "val_loss" in r] == [0, 5]
+    assert (out / "loss_curves.png").stat().st_size > 0
+
+
+def test_user_text_file_char_and_byte(tmp_path: Path) -> None:
+    text = tmp_path / "poem.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. ünïcode\n" * 40, encoding="utf-8")
+    for tokenizer in ("char", "byte"):
+        out = tmp_path / tokenizer
+        args = [
+            "train",
+            "--data",
+            str(text),
+            "--tokenizer",
+            tokenizer,
+            "--steps",
+            "3",
+            "--eval-every",
+            "3",
+            "--out",
+            str(out),
+            *TINY,
+        ]
+        assert main(args) == 0
+        assert json.loads((out / "summary.json").read_text())["data"] == str(text)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--data", "{tmp}/missing.txt"], "--data {tmp}/missing.txt: no such file"),
+        (["--data", "{tmp}/empty.txt"], "--data {tmp}/empty.txt: the file is empty"),
+        (["--data", "{tmp}/blob.bin"], "--data {tmp}/blob.bin: looks binary"),
+        (["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+        (["--optimizer", "muonn"], "--optimizer: Unknown optimizer 'muonn'"),
+        (["--compare", "adamx"], "--compare: Unknown optimizer 'adamx'"),
+        (["--scheduler", "cosin"], "--scheduler: Unknown LR schedule 'cosin'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(
+    tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 4)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    with pytest.raises(SystemExit) as info:
+        main(["train", *argv, "--out", str(tmp_path / "o"), "--no-progress"])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert message.replace("{tmp}", str(tmp_path)) in lines[0]
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_console_script_error_has_no_traceback(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hyper_parallel", "train", "--data", str(tmp_path / "nope.txt")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        == f"hyper-parallel: error: --data {tmp_path / 'nope.txt'}: no such file"
+    )
+
+
+def test_steps_to_reach_interpolates() -> None:
+    curve = [(0, 4.0), (10, 3.0), (20, 2.0), (30, 1.5)]
+    assert steps_to_reach(curve, 2.5) == pytest.approx(15.0)
+    assert steps_to_reach(curve, 3.0) == pytest.approx(10.0)
+    assert steps_to_reach(curve, 5.0) == 0.0
+    assert steps_to_reach(curve, 1.0) is None
+
+
+def test_synthetic_corpus_is_deterministic_with_held_out_sums() -> None:
+    a, b = (
+        synthetic_corpus(train_chars=20_000, val_chars=5_000),
+        synthetic_corpus(train_chars=20_000, val_chars=5_000),
+    )
+    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    assert a.vocab_size == len(SYNTHETIC_ALPHABET)
+
+    def sums(ids: torch.Tensor) -> set[tuple[int, int]]:
+        lines = a.decode(ids.tolist()).splitlines()
+        pairs = set()
+        for line in lines:
+            if "+" in line:
+                left, right = line.split(" = ")
+                x, y = left.split(" + ")
+                assert int(x) + int(y) == int(right.rstrip(" ."))
+                pairs.add((int(x), int(y)))
+        return pairs
+
+    train_pairs, val_pairs = sums(a.train), sums(a.val)
+    assert train_pairs and val_pairs and not train_pairs & val_pairs
+    assert all(x % 7 == 3 for x, _ in val_pairs)
