@@ -1,0 +1,331 @@
+"""The documentation site states the code's contract and its examples run.
+
+* every hook's signature, rendered from ``hookspecs`` itself, is in the plugin guide;
+* every built-in the registry holds is documented on the built-ins page;
+* both user guides name the guide's API;
+* every Python block of the example pages compiles, and runs in page order
+  unless it is marked ``<!-- docs-test: compile-only ... -->`` on the line above;
+* the plugin guide's example package, written out from its titled blocks,
+  installs and passes its own tests;
+* ``mkdocs build --strict`` passes (when mkdocs is installed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hyper_parallel import PluginKind, get_registry
+from hyper_parallel.core.plugin import hookspecs
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PROJECT = "hyper-parallel"
+
+#: Pages whose Python blocks are checked: all compile; unmarked ones run in order.
+EXAMPLE_PAGES = (
+    "index.md",
+    "quickstart.md",
+    "user-guide.md",
+    "user-guide.zh.md",
+    "choosing-muon.md",
+    "plugins.md",
+)
+GUIDE_API = ("get_hyper_optimizer", "get_hyper_lr_scheduler", "ChainedOptimizer", "Muon", "AdamW")
+COMPILE_ONLY = "<!-- docs-test: compile-only"
+
+_FENCE = re.compile(
+    r"^(?P<marker><!-- docs-test:[^\n]*-->\n)?"
+    r"```(?P<lang>[\w+-]*)(?P<attrs>[^\n]*)\n(?P<body>.*?)^```[ \t]*$",
+    flags=re.M | re.S,
+)
+_TITLE = re.compile(r'title="([^"]+)"')
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block of a docs page."""
+
+    page: str
+    line: int
+    lang: str
+    title: str | None
+    compile_only: bool
+    source: str
+
+    @property
+    def where(self) -> str:
+        return f"docs/{self.page}:{self.line}"
+
+
+def _blocks(page: str) -> list[Block]:
+    text = (DOCS / page).read_text(encoding="utf-8")
+    blocks = []
+    for match in _FENCE.finditer(text):
+        title = _TITLE.search(match["attrs"])
+        marker = match["marker"] or ""
+        blocks.append(
+            Block(
+                page=page,
+                line=text.count("\n", 0, match.start("body")) + 1,
+                lang=match["lang"],
+                title=title.group(1) if title else None,
+                compile_only=marker.startswith(COMPILE_ONLY),
+                source=match["body"],
+            )
+        )
+    return blocks
+
+
+def _python_blocks(page: str) -> list[Block]:
+    return [b for b in _blocks(page) if b.lang == "python"]
+
+
+# -- the plugin contract ------------------------------------------------------
+
+
+class _Annotation:
+    """An annotation that prints as written (``from __future__ import annotations`` strings)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _as_written(annotation: Any) -> Any:
+    if annotation is inspect.Parameter.empty:
+        return annotation
+    text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+    return _Annotation(text)
+
+
+def rendered_signature(fn: Any) -> str:
+    """``name(arg: Type, ...) -> Ret``, exactly as the function is declared."""
+    sig = inspect.signature(fn)
+    sig = sig.replace(
+        parameters=[
+            p.replace(annotation=_as_written(p.annotation)) for p in sig.parameters.values()
+        ],
+        return_annotation=_as_written(sig.return_annotation),
+    )
+    return f"{fn.__name__}{sig}"
+
+
+def _hooks() -> list[Any]:
+    return [getattr(hookspecs, name) for name in hookspecs.__all__]
+
+
+def test_hook_list_is_the_registrys() -> None:
+    assert {fn.__name__ for fn in _hooks()} == {kind.hook_name for kind in PluginKind}
+
+
+def test_rendered_signature_reads_the_code() -> None:
+    def example(register: Any, *, strict: bool = False) -> None: ...
+
+    assert rendered_signature(example) == "example(register: Any, *, strict: bool = False) -> None"
+
+
+@pytest.mark.parametrize("hook", _hooks(), ids=lambda fn: fn.__name__)
+def test_every_hook_signature_is_in_the_plugin_guide(hook: Any) -> None:
+    signature = rendered_signature(hook)
+    assert signature in (DOCS / "plugins.md").read_text(encoding="utf-8"), (
+        f"docs/plugins.md does not show the hook's exact signature {signature!r}"
+    )
+
+
+def test_plugin_guide_shows_the_register_callback() -> None:
+    text = (DOCS / "plugins.md").read_text(encoding="utf-8")
+    assert 'register(name, obj, *, description="", aliases=())' in text
+    for word in ("HYPER_PARALLEL_STRICT_PLUGINS", "HYPER_PARALLEL_DISABLE_PLUGINS", "matrix_only"):
+        assert word in text
+
+
+# -- the built-ins ------------------------------------------------------------
+
+
+def _is_builtin(distribution: str | None) -> bool:
+    # "hyper-parallel 0.1.0", not "hyper-parallel-lion 0.1.0"
+    return distribution is not None and distribution.rsplit(" ", 1)[0] == PROJECT
+
+
+def test_every_builtin_is_documented() -> None:
+    entries = [e for e in get_registry().entries() if _is_builtin(e.distribution)]
+    assert entries, f"the registry holds no entry from {PROJECT}; is it installed?"
+    text = (DOCS / "builtins.md").read_text(encoding="utf-8")
+    listed = "\n".join(line for line in text.splitlines() if line.startswith(("#", "|")))
+    missing = [f"{e.kind.value} {e.name!r}" for e in entries if f"`{e.name}`" not in listed]
+    missing += [
+        f"alias {alias!r} of {e.kind.value} {e.name!r}"
+        for e in entries
+        for alias in e.aliases
+        if f"`{alias}`" not in text
+    ]
+    assert not missing, "docs/builtins.md has no heading or table row for: " + ", ".join(missing)
+
+
+# -- the user guides ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", ["user-guide.md", "user-guide.zh.md"])
+def test_user_guides_name_the_guides_api(page: str) -> None:
+    text = (DOCS / page).read_text(encoding="utf-8")
+    assert [name for name in GUIDE_API if f"`{name}`" not in text] == []
+
+
+# -- code examples ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "block",
+    [b for page in EXAMPLE_PAGES for b in _python_blocks(page)],
+    ids=lambda b: b.where,
+)
+def test_python_block_compiles(block: Block) -> None:
+    compile(block.source, block.where, "exec")
+
+
+def test_toml_blocks_parse() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    blocks = [b for page in EXAMPLE_PAGES for b in _blocks(page) if b.lang == "toml"]
+    assert blocks
+    for block in blocks:
+        tomllib.loads(block.source)
+
+
+def _runnable(block: Block) -> bool:
+    return not block.compile_only and block.title is None
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The examples are tiny: on a busy machine a thread pool only adds contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(blocks: list[Block], namespace: dict[str, Any]) -> None:
+    for block in filter(_runnable, blocks):
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")  # documented warnings must not leak out
+            exec(compile(block.source, block.where, "exec"), namespace)
+
+
+@pytest.mark.parametrize("page", ["quickstart.md", "user-guide.md", "plugins.md"])
+def test_main_pages_have_running_examples(page: str) -> None:
+    assert any(_runnable(b) for b in _python_blocks(page))
+
+
+@pytest.mark.usefixtures("fresh_registry", "one_thread")
+@pytest.mark.parametrize(
+    "page",
+    [p for p in EXAMPLE_PAGES if p != "plugins.md" and any(map(_runnable, _python_blocks(p)))],
+)
+def test_page_examples_run(page: str) -> None:
+    _run(_python_blocks(page), {"__name__": f"docs_{page}"})
+
+
+@pytest.fixture
+def example_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Write the plugin guide's titled blocks out as files and pip-install the package."""
+    files = [b for b in _blocks("plugins.md") if b.title is not None]
+    assert files, "docs/plugins.md has no titled file blocks"
+    for block in files:
+        path = tmp_path / "src" / block.title
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(block.source, encoding="utf-8")
+    projects = {Path(b.title).parts[0] for b in files}
+    assert len(projects) == 1, f"expected one example package, got {sorted(projects)}"
+    target = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(tmp_path / "src" / projects.pop()),
+        ],
+        check=True,
+        cwd=tmp_path,
+    )
+    monkeypatch.syspath_prepend(str(target))
+    importlib.invalidate_caches()
+    get_registry().reset()
+    return tmp_path / "src"
+
+
+@pytest.mark.usefixtures("fresh_registry", "one_thread")
+def test_plugin_guide_examples_and_example_package(
+    example_package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocks = _python_blocks("plugins.md")
+    modules = {Path(b.title).stem for b in blocks if b.title and "/tests/" not in b.title}
+    try:
+        _run(blocks, {"__name__": "docs_plugins"})
+        tests = [b for b in blocks if b.title and "/tests/" in b.title]
+        assert tests, "the example package has no tests block"
+        for block in tests:
+            namespace: dict[str, Any] = {"__name__": "docs_example_tests"}
+            exec(compile(block.source, block.where, "exec"), namespace)
+            test_functions = [v for k, v in namespace.items() if k.startswith("test_")]
+            assert test_functions, f"{block.where} defines no test functions"
+            for test_function in test_functions:
+                test_function()
+    finally:
+        for module in modules:
+            monkeypatch.delitem(sys.modules, module, raising=False)
+
+
+# -- the site -------------------------------------------------------------------
+
+
+_HAVE_MKDOCS = all(
+    importlib.util.find_spec(name) is not None for name in ("mkdocs", "mkdocstrings", "material")
+)
+
+
+@pytest.mark.skipif(not _HAVE_MKDOCS, reason="mkdocs, mkdocstrings or mkdocs-material missing")
+def test_mkdocs_build_is_strict_clean(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=ROOT,  # mkdocs.yml names its griffe extension by a path relative to the root
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WARNING" not in result.stderr, result.stderr
+    for page in (
+        "index.html",
+        "user-guide.zh/index.html",
+        "api/index.html",
+        "benchmarks/index.html",
+    ):
+        assert (site / page).is_file(), page
