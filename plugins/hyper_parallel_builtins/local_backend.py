@@ -7,14 +7,14 @@ itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from hyper_parallel import hookimpl
-from hyper_parallel.core.distributed import FullMatrixFn, ShardingBackend
+from hyper_parallel.core.distributed import FullTensorsFn, ShardingBackend
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = ["LocalBackend"]
@@ -42,9 +42,14 @@ class LocalBackend(ShardingBackend):
         return module
 
     def full_matrix_map(
-        self, fn: FullMatrixFn, tensors: Sequence[torch.Tensor]
+        self,
+        fn: FullTensorsFn,
+        tensors: Sequence[torch.Tensor],
+        *,
+        batch_dims: Sequence[int] | None = None,
+        cost: Callable[[torch.Size], float] | None = None,
     ) -> list[torch.Tensor]:
-        return [fn(t) for t in tensors]
+        return fn(list(tensors))
 
 
 @hookimpl

@@ -15,10 +15,12 @@ from typing import Any, ClassVar, cast, overload
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
+from hyper_parallel.core.distributed import ShardingBackend, resolve_backend
 from hyper_parallel.core.plugin import RegisterFn
 from hyper_parallel_builtins.newton_schulz import (
     KELLER_COEFFICIENTS,
@@ -43,7 +45,15 @@ _EXTRA_DEFAULTS: Mapping[str, Any] = {
     "matched_adamw_rms": None,
     "ns_dtype": None,
     "matrix_view": "auto",
+    "sharding": None,
 }
+
+
+def _batch_dims(ndim: int, matrix_view: str) -> int:
+    """Leading dims Newton-Schulz treats independently under ``matrix_view``."""
+    if ndim <= 2 or matrix_view == "flatten" or (matrix_view == "auto" and ndim >= 4):
+        return 0
+    return ndim - 2
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...], matrix_view: str) -> tuple[int, int, int]:
@@ -114,6 +124,9 @@ def _check_options(options: Mapping[str, Any]) -> None:
         raise ValueError(
             f"ns_dtype should be a floating-point torch.dtype or None, got {ns_dtype!r}."
         )
+    sharding = options["sharding"]
+    if sharding is not None and not isinstance(sharding, str):
+        raise ValueError(f"sharding should be a backend name or None, got {sharding!r}.")
     view = options["matrix_view"]
     if view not in MATRIX_VIEWS:
         raise ValueError(
@@ -209,6 +222,12 @@ class Muon(torch.optim.Optimizer):
             (always ``(shape[0], -1)``, e.g. for Conv1d kernels) or
             ``"batch"`` (all leading dims are batch dims). The lr adjustment
             uses each matrix's own shape.
+        sharding: For sharded (DTensor) params, the sharding backend that
+            runs Newton-Schulz on the full matrices (``"fsdp"``, ``"hsdp"``,
+            ...). ``None``: ``$HYPER_PARALLEL_SHARDING``, else detected from
+            the params' placements. Each matrix gets one owner rank, chosen
+            by Newton-Schulz FLOPs, so the work is spread over the ranks and
+            the result equals that of one process.
 
     Raises:
         ValueError: a param with fewer than 2 dims or complex, or an
@@ -239,6 +258,7 @@ class Muon(torch.optim.Optimizer):
         matched_adamw_rms: float | None = None,
         ns_dtype: torch.dtype | None = None,
         matrix_view: str = "auto",
+        sharding: str | None = None,
     ) -> None:
         defaults: dict[str, Any] = {
             "lr": lr,
@@ -252,8 +272,10 @@ class Muon(torch.optim.Optimizer):
             "matched_adamw_rms": matched_adamw_rms,
             "ns_dtype": ns_dtype,
             "matrix_view": matrix_view,
+            "sharding": sharding,
         }
         _check_options(defaults)
+        self._backends: dict[int, ShardingBackend] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -270,16 +292,51 @@ class Muon(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_backends", {})
         # A state_dict saved by torch.optim.Muon lacks the keys only we have.
         for group in self.param_groups:
             for key, value in _EXTRA_DEFAULTS.items():
                 group.setdefault(key, self.defaults.get(key, value))
 
     def _orthogonalize(self, updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
-        """Newton-Schulz of every update in ``group``, matrix by matrix.
+        """Newton-Schulz of every update in ``group``, on the full matrices.
 
-        This is the one place the whole matrices are needed: a distributed
-        Muon replaces it with a map over full matrices across ranks.
+        Plain tensors are orthogonalized here. Sharded ones (DTensors) go
+        through their sharding backend's full-matrix map, which gives each
+        matrix one owner rank (balanced by Newton-Schulz FLOPs), runs
+        :meth:`_orthogonalize_full` there and returns the result as shards.
+
+        Returns:
+            The orthogonalized updates, laid out like ``updates``.
+        """
+        if not any(isinstance(u, DTensor) for u in updates):
+            return self._orthogonalize_full(updates, group)
+        backend = self._backend(group)
+        view = group["matrix_view"]
+
+        def ns_flops(shape: torch.Size) -> float:
+            batch, rows, cols = matrix_shape(shape, view)
+            small, large = min(rows, cols), max(rows, cols)
+            return float(group["ns_steps"] * batch * (4 * small * small * large + 2 * small**3))
+
+        return backend.full_matrix_map(
+            lambda fulls: self._orthogonalize_full(fulls, group),
+            updates,
+            batch_dims=[_batch_dims(u.ndim, view) for u in updates],
+            cost=ns_flops,
+        )
+
+    def _backend(self, group: dict[str, Any]) -> ShardingBackend:
+        """The group's sharding backend: its ``sharding`` option, the environment, or detected."""
+        key = id(group)
+        backend = self._backends.get(key)
+        if backend is None:
+            backend = resolve_backend(group["sharding"], group["params"])
+            self._backends[key] = backend
+        return backend
+
+    def _orthogonalize_full(self, updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
+        """Newton-Schulz of whole (plain) tensors, one batched call per matrix shape.
 
         Args:
             updates: One tensor per param, shaped like it.

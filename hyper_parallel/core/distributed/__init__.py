@@ -1,5 +1,10 @@
-"""Distributed building blocks: the sharding-backend contract."""
+"""Distributed building blocks: sharding backends and the full-matrix map used by Muon."""
 
-from hyper_parallel.core.distributed.backend import FullMatrixFn, ShardingBackend
+from hyper_parallel.core.distributed.backend import (
+    SHARDING_ENV,
+    FullTensorsFn,
+    ShardingBackend,
+    resolve_backend,
+)
 
-__all__ = ["FullMatrixFn", "ShardingBackend"]
+__all__ = ["SHARDING_ENV", "FullTensorsFn", "ShardingBackend", "resolve_backend"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hyper_parallel.core._suggest import accepted_keywords, check_keywords, did_you_mean
+from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
 from hyper_parallel.core.optimizer.chained import ChainedOptimizer
 from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry
 
@@ -97,6 +99,7 @@ def _split_prefixed(prefixed: Mapping[str, Any], names: Iterable[str]) -> dict[s
                 "optimizers",
                 "partitioner",
                 "partitioner_kwargs",
+                "sharding",
                 *(f"{n}_<option>" for n in by_length),
             ]
             raise TypeError(
@@ -117,6 +120,7 @@ def get_hyper_optimizer(
     optimizers: Mapping[str, Mapping[str, Any]] | None = None,
     partitioner: str | None = None,
     partitioner_kwargs: Mapping[str, Any] | None = None,
+    sharding: str | None = None,
     **prefixed_kwargs: Any,
 ) -> ChainedOptimizer:
     """Build the optimizers for ``model`` and chain them.
@@ -133,6 +137,11 @@ def get_hyper_optimizer(
 
     Keyword arguments prefixed with an optimizer's name (``muon_lr=0.02``,
     ``adamw_weight_decay=0.1``) are that optimizer's options.
+
+    ``sharding`` names the sharding backend of a sharded model (``"fsdp"``,
+    ``"hsdp"``, ...); it must match the params' layout and is passed to every
+    optimizer that takes a ``sharding`` option (Muon). Left out, it is
+    ``$HYPER_PARALLEL_SHARDING`` or detected from the params' placements.
 
     Rules: frozen params are skipped; a tied param counts once; an empty
     list means that optimizer is not created. A param with fewer than two
@@ -218,6 +227,13 @@ def get_hyper_optimizer(
             )
 
     _check_coverage(model, specs, named)
+    if sharding is not None or os.environ.get(SHARDING_ENV):
+        every = [p for s in specs.values() for g in s.groups for p in g["params"]]
+        backend = resolve_backend(sharding, every)  # a mismatch fails here, before any build
+        for spec in specs.values():
+            accepted = accepted_keywords(spec.entry.obj, skip=1)
+            if accepted is None or "sharding" in accepted:
+                spec.kwargs.setdefault("sharding", backend.name)
     built: dict[str, Optimizer] = {}
     for spec in specs.values():
         if not any(g["params"] for g in spec.groups):

@@ -1,0 +1,300 @@
+"""Run a function on the full matrices behind sharded tensors, the work spread over ranks.
+
+Newton-Schulz needs whole matrices, but FSDP/HSDP hold each param as row
+shards (``Shard(0)`` on the shard mesh dim, ``Replicate`` on any replicate
+dim). :func:`sharded_full_matrix_map` gives every matrix one *owner* rank,
+chosen greedily by cost so the work is balanced over every rank of the mesh
+(HSDP replicas split the work instead of repeating it). In each bucket of
+bounded size:
+
+1. one ``all_to_all_single`` sends every row shard to its matrix's owner
+   (only the owner's replica sends, since replicas hold the same rows);
+2. each owner assembles its full matrices and calls ``fn`` once on all of
+   them (so same-shape matrices can be batched);
+3. a second ``all_to_all_single`` returns each result's rows to every rank
+   that holds that shard, in every replica.
+
+Tensors sharded only on batch dims (a stack of expert matrices split on the
+expert dim) need no communication: ``fn`` runs on the local shard. Any
+other layout (tensor parallel ``Shard(1)``, several shard dims) falls back to
+gathering the full tensor on every rank, which is correct but repeats work.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "FullTensorsFn",
+    "assign_owners",
+    "row_shard_layout",
+    "sharded_full_matrix_map",
+]
+
+#: Full-matrix bytes per owner bucket: bounds the extra memory of one exchange.
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+
+#: Maps a list of full (plain) tensors to results of the same shapes.
+FullTensorsFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def assign_owners(
+    costs: Sequence[float], world_size: int, loads: list[float] | None = None
+) -> list[int]:
+    """Greedy longest-processing-time assignment: each item to the least-loaded rank.
+
+    Items are taken from the most to the least costly; ties go to the lower
+    rank, so every rank computes the same assignment. ``loads`` (one per
+    rank) carries the load of earlier buckets and is updated in place.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    current = loads if loads is not None else [0.0] * world_size
+    heap = [(load, rank) for rank, load in enumerate(current)]
+    heapq.heapify(heap)
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(heap)
+        owners[index] = rank
+        current[rank] = load + costs[index]
+        heapq.heappush(heap, (current[rank], rank))
+    return owners
+
+
+@dataclass(frozen=True)
+class _RowLayout:
+    """Where the row shards of a ``Shard(0)`` tensor live on its mesh."""
+
+    shard_dim: int  # the mesh dim that splits tensor dim 0
+    ranks: torch.Tensor  # global ranks, shape (replicas, shards)
+
+
+def row_shard_layout(t: DTensor) -> _RowLayout | None:
+    """The layout if ``t`` is row-sharded on one mesh dim and replicated on the others."""
+    shard_dims = [i for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+    if len(shard_dims) != 1 or t.placements[shard_dims[0]] != Shard(0):
+        return None
+    if not all(isinstance(p, (Shard, Replicate)) for p in t.placements):
+        return None
+    mesh_ranks = t.device_mesh.mesh
+    shard_dim = shard_dims[0]
+    ranks = mesh_ranks.movedim(shard_dim, -1).reshape(-1, mesh_ranks.shape[shard_dim])
+    return _RowLayout(shard_dim=shard_dim, ranks=ranks)
+
+
+def _rows(total: int, shards: int) -> list[int]:
+    """Row counts of ``torch.chunk`` (DTensor's ``Shard`` split) of ``total`` rows."""
+    size = -(-total // shards) if total else 0
+    return [max(0, min(size, total - k * size)) for k in range(shards)]
+
+
+def _local_fallback(fn: FullTensorsFn, tensors: list[DTensor]) -> list[torch.Tensor]:
+    """Gather every full tensor on every rank, apply ``fn``, keep this rank's piece."""
+    fulls = [t.full_tensor() for t in tensors]
+    results = fn(fulls)
+    return [
+        distribute_tensor(r.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None)
+        for r, t in zip(results, tensors, strict=True)
+    ]
+
+
+def sharded_full_matrix_map(
+    fn: FullTensorsFn,
+    tensors: Sequence[torch.Tensor],
+    *,
+    batch_dims: Sequence[int] | None = None,
+    cost: Callable[[torch.Size], float] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> list[torch.Tensor]:
+    """Apply ``fn`` to the full tensor behind each (sharded) tensor.
+
+    Args:
+        fn: Takes full plain tensors, returns results of the same shapes
+            (any floating dtype; results are cast back to each input's dtype).
+        tensors: DTensors (or plain tensors, mapped locally). All ranks must
+            pass the same list in the same order.
+        batch_dims: Per tensor, how many leading dims ``fn`` treats as
+            independent batch dims (0 for a matrix, 1 for an expert stack);
+            a tensor sharded only on those dims is mapped locally.
+        cost: Work of one tensor from its full shape, for the owner
+            assignment (default: element count).
+        bucket_bytes: Full-tensor bytes exchanged per bucket.
+
+    Returns:
+        One result per input, laid out like it (same placements, local shape).
+    """
+    tensors = list(tensors)
+    dims = list(batch_dims) if batch_dims is not None else [0] * len(tensors)
+    if len(dims) != len(tensors):
+        raise ValueError(f"batch_dims has {len(dims)} entries for {len(tensors)} tensors")
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    local: list[int] = []
+    fallback: list[int] = []
+    rowwise: dict[tuple[DeviceMesh, int], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if not isinstance(t, DTensor):
+            local.append(i)
+            continue
+        sharded = [p.dim for p in t.placements if isinstance(p, Shard)]
+        if all(d < dims[i] for d in sharded):
+            local.append(i)
+            continue
+        layout = row_shard_layout(t)
+        if layout is None or t.device_mesh.size() != dist.get_world_size():
+            fallback.append(i)
+        else:
+            rowwise.setdefault((t.device_mesh, layout.shard_dim), []).append(i)
+
+    if local:
+        pieces = [
+            t.to_local() if isinstance(t, DTensor) else t for t in (tensors[i] for i in local)
+        ]
+        for i, piece, result in zip(local, pieces, fn(pieces), strict=True):
+            t = tensors[i]
+            r = result.to(piece.dtype)
+            out[i] = (
+                DTensor.from_local(
+                    r,
+                    t.device_mesh,
+                    t.placements,
+                    run_check=False,
+                    shape=t.shape,
+                    stride=t.stride(),
+                )
+                if isinstance(t, DTensor)
+                else r
+            )
+    if fallback:
+        gathered = _local_fallback(fn, [cast(DTensor, tensors[i]) for i in fallback])
+        for i, r in zip(fallback, gathered, strict=True):
+            out[i] = r
+    for indices in rowwise.values():
+        mapped = _row_sharded_map(
+            fn, [cast(DTensor, tensors[i]) for i in indices], cost, bucket_bytes
+        )
+        for i, r in zip(indices, mapped, strict=True):
+            out[i] = r
+    return [r for r in out if r is not None]
+
+
+def _row_sharded_map(
+    fn: FullTensorsFn,
+    tensors: list[DTensor],
+    cost: Callable[[torch.Size], float] | None,
+    bucket_bytes: int,
+) -> list[torch.Tensor]:
+    """The owner-based path for tensors row-sharded on one mesh dim of a world-sized mesh."""
+    layout = row_shard_layout(tensors[0])
+    assert layout is not None
+    world = dist.get_world_size()
+    me = dist.get_rank()
+    # my coordinates: replica row and shard column in layout.ranks
+    where = (layout.ranks == me).nonzero()
+    my_replica, my_shard = int(where[0, 0]), int(where[0, 1])
+    shards = layout.ranks.shape[1]
+    costs = [float(cost(t.shape)) if cost else float(t.numel()) for t in tensors]
+    loads = [0.0] * world
+    results: list[torch.Tensor | None] = [None] * len(tensors)
+
+    for bucket in _buckets(tensors, bucket_bytes):
+        owners = assign_owners([costs[i] for i in bucket], world, loads)
+        dtype = tensors[bucket[0]].dtype
+        # -- send row shards to owners (only the owner's replica sends) ------------
+        send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        recv_sizes = [0] * world
+        for i, owner in zip(bucket, owners, strict=True):
+            t = tensors[i]
+            rows = _rows(t.shape[0], shards)
+            row_numel = math.prod(t.shape[1:])
+            owner_replica = int((layout.ranks == owner).nonzero()[0, 0])
+            if my_replica == owner_replica:
+                send_parts[owner].append(t.to_local().reshape(-1))
+            if owner == me:
+                for k in range(shards):
+                    recv_sizes[int(layout.ranks[owner_replica, k])] += rows[k] * row_numel
+        device = tensors[bucket[0]].to_local().device
+        received = _exchange(send_parts, recv_sizes, dtype, device)
+        # -- assemble full tensors on the owner and apply fn ------------------------
+        mine = [i for i, owner in zip(bucket, owners, strict=True) if owner == me]
+        offsets = [0] * world
+        fulls: list[torch.Tensor] = []
+        for i in mine:
+            t = tensors[i]
+            rows = _rows(t.shape[0], shards)
+            row_numel = math.prod(t.shape[1:])
+            owner_replica = my_replica
+            pieces = []
+            for k in range(shards):
+                src = int(layout.ranks[owner_replica, k])
+                n = rows[k] * row_numel
+                pieces.append(received[src][offsets[src] : offsets[src] + n])
+                offsets[src] += n
+            fulls.append(torch.cat(pieces).view(t.shape))
+        computed = dict(zip(mine, fn(fulls), strict=True)) if mine else {}
+        # -- return each result's rows to every holder of that shard --------------
+        send_back: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        back_sizes = [0] * world
+        for i, owner in zip(bucket, owners, strict=True):
+            t = tensors[i]
+            rows = _rows(t.shape[0], shards)
+            row_numel = math.prod(t.shape[1:])
+            if owner == me:
+                parts = computed[i].to(dtype).reshape(t.shape[0], -1).split(rows)
+                for replica in range(layout.ranks.shape[0]):
+                    for k in range(shards):
+                        send_back[int(layout.ranks[replica, k])].append(parts[k].reshape(-1))
+            back_sizes[owner] += rows[my_shard] * row_numel
+        returned = _exchange(send_back, back_sizes, dtype, device)
+        offsets = [0] * world
+        for i, owner in zip(bucket, owners, strict=True):
+            t = tensors[i]
+            local_shape = t.to_local().shape
+            n = math.prod(local_shape)
+            piece = returned[owner][offsets[owner] : offsets[owner] + n].view(local_shape)
+            offsets[owner] += n
+            results[i] = DTensor.from_local(
+                piece,
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
+    return [r for r in results if r is not None]
+
+
+def _buckets(tensors: list[DTensor], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive groups of one dtype whose full sizes add up to at most ``bucket_bytes``."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if buckets and t.dtype == tensors[buckets[-1][0]].dtype and size + nbytes <= bucket_bytes:
+            buckets[-1].append(i)
+            size += nbytes
+        else:
+            buckets.append([i])
+            size = nbytes
+    return buckets
+
+
+def _exchange(
+    parts: list[list[torch.Tensor]], recv_sizes: list[int], dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """One ``all_to_all_single``: ``parts[r]`` go to rank ``r``; returns what each rank sent here."""
+    send_sizes = [sum(p.numel() for p in ps) for ps in parts]
+    flat = [p.to(dtype) for ps in parts for p in ps]
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
+    return list(recv.split(recv_sizes))

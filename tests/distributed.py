@@ -1,0 +1,80 @@
+"""Run a test function on N CPU processes with the gloo backend.
+
+Usage::
+
+    def _check(rank: int, world_size: int, tmp: str) -> None:
+        ...  # runs in every process; torch.distributed is initialized
+
+    def test_something(tmp_path):
+        run_distributed(_check, world_size=2, args=(str(tmp_path),))
+
+The function must be importable (module level). A failure on any rank fails
+the test with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_distributed"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    errors: str,
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+        dist.barrier()
+    except BaseException:
+        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], *, world_size: int, args: tuple[Any, ...] = ()) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes and wait."""
+    tests_dir = str(Path(__file__).parent)
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    with tempfile.TemporaryDirectory() as errors:
+        try:
+            mp.spawn(
+                _worker,
+                args=(world_size, _free_port(), fn, args, errors),
+                nprocs=world_size,
+                join=True,
+            )
+        except Exception as exc:
+            reports = sorted(Path(errors).glob("rank*.txt"))
+            detail = "\n".join(f"--- {p.stem}\n{p.read_text()}" for p in reports) or str(exc)
+            raise AssertionError(f"distributed test failed:\n{detail}") from None

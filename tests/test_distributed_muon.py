@@ -1,0 +1,166 @@
+"""Distributed Muon on FSDP/HSDP: the same numbers as one process, the work spread over ranks."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+
+from conftest import TinyLM, lm_loss
+from hyper_parallel.core.distributed.full_matrix import assign_owners
+from hyper_parallel.core.optimizer import get_hyper_optimizer
+
+STEPS = 5
+
+
+def _ns_flops(rows: int, cols: int) -> float:
+    small, large = min(rows, cols), max(rows, cols)
+    return 4 * small * small * large + 2 * small**3
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_owner_assignment_balances_newton_schulz_flops(world_size: int) -> None:
+    d = 512
+    layer = [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]  # q, k, v, o, up, down
+    costs = [_ns_flops(r, c) for r, c in layer * 4]  # a 24-matrix transformer
+    owners = assign_owners(costs, world_size)
+    loads = [
+        sum(c for c, o in zip(costs, owners, strict=True) if o == rank)
+        for rank in range(world_size)
+    ]
+    mean = sum(costs) / world_size
+    assert max(loads) <= 1.25 * mean, (loads, mean)
+    assert set(owners) == set(range(world_size))
+    assert assign_owners(costs, world_size) == owners  # every rank computes the same
+
+
+def _batch() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, 32, (4, 9), generator=gen)
+
+
+def _optimizer(model: torch.nn.Module, **extra: Any) -> Any:
+    return get_hyper_optimizer(
+        model,
+        partitioner="by_shape",
+        muon_kwargs={"lr": 0.02, "weight_decay": 0.01},
+        adamw_kwargs={"lr": 3e-3},
+        **extra,
+    )
+
+
+def _train(model: torch.nn.Module, optimizer: Any, batch: torch.Tensor) -> None:
+    for _ in range(STEPS):
+        lm_loss(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _state_bytes(optimizer: Any) -> dict[str, int]:
+    out = {}
+    for name, opt in optimizer.optimizers.items():
+        total = 0
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.ndim > 0:
+                    local = value.to_local() if hasattr(value, "to_local") else value
+                    total += local.numel() * local.element_size()
+        out[name] = total
+    return out
+
+
+def _check_against_one_process(mesh: Any, rows: slice, label: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    # No k/q/v biases: k_proj.bias gets a mathematically zero gradient (softmax ignores a
+    # per-query shift), and AdamW would blow its rounding noise up to lr-sized steps.
+    reference = TinyLM(qkv_bias=False)
+    model = copy.deepcopy(reference)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+    ref_opt = _optimizer(reference)
+    opt = _optimizer(model)
+    batch = _batch()
+    _train(reference, ref_opt, batch)
+    _train(model, opt, batch[rows])
+
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(
+            p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-5, msg=f"{label}: {name}"
+        )
+
+    # optimizer state follows the param sharding: each rank holds its shard's share
+    world = dist.get_world_size()
+    shards = mesh.size(mesh.ndim - 1)
+    mine = _state_bytes(opt)
+    full = _state_bytes(ref_opt)
+    gathered: list[dict[str, int]] = [{} for _ in range(world)]
+    dist.all_gather_object(gathered, mine)
+    for name in full:
+        per_replica = sum(g[name] for g in gathered) / (world // shards)
+        assert per_replica == full[name], (label, name, per_replica, full[name])
+        # up to padding: ceil-division rows per shard
+        assert mine[name] <= full[name] / shards * 1.35 + 512, (label, name, mine[name], full[name])
+
+
+def _fsdp_and_hsdp(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    per_rank = 4 // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    _check_against_one_process(init_device_mesh("cpu", (world_size,)), rows, f"fsdp x{world_size}")
+    if world_size == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        _check_against_one_process(mesh, rows, "hsdp 2x2")
+
+
+def _work_is_spread(rank: int, world_size: int) -> None:
+    """Every rank runs Newton-Schulz on some matrices, none on all of them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import hyper_parallel_builtins.muon as muon_module
+
+    calls: list[int] = []
+    real = muon_module.newton_schulz_batched
+
+    def counting(matrices: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        calls.append(len(matrices))
+        return real(matrices, *args, **kwargs)
+
+    muon_module.newton_schulz_batched = counting  # type: ignore[assignment]
+    try:
+        torch.manual_seed(0)
+        model = TinyLM()
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = _optimizer(model, sharding="fsdp")
+        lm_loss(model, _batch()[rank * 2 : rank * 2 + 2]).backward()
+        opt.step()
+    finally:
+        muon_module.newton_schulz_batched = real  # type: ignore[assignment]
+    done = sum(calls)
+    counts = [0] * world_size
+    dist.all_gather_object(counts, done)
+    assert sum(counts) == 14 and all(0 < c < 14 for c in counts), counts
+
+
+def test_fsdp_two_ranks_equals_one_process() -> None:
+    run_distributed(_fsdp_and_hsdp, world_size=2)
+
+
+def test_fsdp_four_ranks_and_hsdp_2x2_equal_one_process() -> None:
+    run_distributed(_fsdp_and_hsdp, world_size=4)
+
+
+def test_newton_schulz_work_is_spread_over_ranks() -> None:
+    run_distributed(_work_is_spread, world_size=2)
