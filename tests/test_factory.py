@@ -233,13 +233,22 @@ def test_same_optimizer_configured_twice(model: nn.Module) -> None:
         get_hyper_optimizer(model, muon_kwargs={"lr": 0.1}, muon_lr=0.2)
 
 
-def test_sharding_backend_must_match_the_params(model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match=r"Sharding backend 'hsdp' \(sharding='hsdp'\) does not match the params: plain tensors"):
+def test_sharding_backend_must_match_the_params(
+    model: nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"Sharding backend 'hsdp' \(sharding='hsdp'\) does not match the params: plain tensors",
+    ):
         get_hyper_optimizer(model, sharding="hsdp")
-    with pytest.raises(UnknownPluginError, match="Unknown sharding backend 'fdsp'.*Did you mean 'fsdp'"):
+    with pytest.raises(
+        UnknownPluginError, match="Unknown sharding backend 'fdsp'.*Did you mean 'fsdp'"
+    ):
         get_hyper_optimizer(model, sharding="fdsp")
     monkeypatch.setenv("HYPER_PARALLEL_SHARDING", "fsdp")
-    with pytest.raises(ValueError, match=r"'fsdp' \(HYPER_PARALLEL_SHARDING='fsdp'\) does not match"):
+    with pytest.raises(
+        ValueError, match=r"'fsdp' \(HYPER_PARALLEL_SHARDING='fsdp'\) does not match"
+    ):
         get_hyper_optimizer(model)
     optimizer = get_hyper_optimizer(model, sharding="local")
     assert optimizer.optimizers["muon"].param_groups[0]["sharding"] == "local"
