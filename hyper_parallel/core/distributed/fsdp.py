@@ -1,0 +1,313 @@
+"""``fully_shard``: torch FSDP2 on every repeated block and the root, plus a gradient scaling factor.
+
+The gradient scaling factor multiplies each reduced gradient shard (after
+FSDP's reduce-scatter, HSDP's all-reduce and FSDP's usual averaging) before it
+lands in ``.grad``. It is installed through FSDP2's public per-unit
+all-reduce hook (``FSDPModule.set_all_reduce_hook``), which FSDP calls on the
+reduce-scatter output (1-D mesh) or the all-reduce output (HSDP) and before
+the gradient is written into the sharded parameter. FSDP's own
+``set_gradient_divide_factor`` is not used: for fp32/bf16 it reduces with
+``ReduceOp.PREMUL_SUM``, which gloo rejects, and its ``SUM``-only variant
+(``set_force_sum_reduction_for_comms``) divides twice when a unit's shard
+group has one rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+
+from hyper_parallel.core.distributed.mesh import init_device_mesh
+
+__all__ = ["BlockPredicate", "GradientScaling", "fully_shard", "set_gradient_scaling_factor"]
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+#: ``(qualified_name, module) -> bool``: whether a submodule is its own FSDP unit.
+BlockPredicate = Callable[[str, nn.Module], bool]
+
+#: On a module sharded by :func:`fully_shard`: id(param before sharding) -> (weakref, name).
+PRESHARDING_PARAMS_ATTR = "_hyper_parallel_presharding_params"
+_SCALING_ATTR = "_hyper_parallel_gradient_scaling"
+
+
+class GradientScaling:
+    """The factor one sharded model multiplies its reduced gradients by.
+
+    One instance is shared by the all-reduce hooks of every FSDP unit of the
+    model, so setting the factor reaches them all at once.
+    """
+
+    def __init__(self) -> None:
+        self.factor: float | None = None
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        """FSDP all-reduce hook: scale the unit's reduced gradient shard in place."""
+        if self.factor is not None:
+            reduce_output.mul_(self.factor)
+
+
+def _find_blocks(module: nn.Module) -> list[nn.Module]:
+    for container in module.modules():
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            children = list(container.children())
+            if len(children) >= 2 and len({type(c) for c in children}) == 1:
+                return children
+    return []
+
+
+def _select_blocks(
+    module: nn.Module, blocks: Sequence[nn.Module] | BlockPredicate | None
+) -> list[nn.Module]:
+    if blocks is None:
+        return _find_blocks(module)
+    named = [(name, sub) for name, sub in module.named_modules() if sub is not module]
+    if callable(blocks) and not isinstance(blocks, nn.Module):
+        return [sub for name, sub in named if blocks(name, sub)]
+    if isinstance(blocks, (nn.Module, str)) or not isinstance(blocks, Sequence):
+        raise TypeError(
+            "blocks must be None (find the repeated blocks), a list of submodules, or a "
+            f"predicate (name, module) -> bool; got {type(blocks).__name__}."
+        )
+    index = {id(sub): i for i, (_, sub) in enumerate(named)}
+    chosen: dict[int, nn.Module] = {}
+    for block in blocks:
+        if not isinstance(block, nn.Module):
+            raise TypeError(f"blocks must hold nn.Module instances, got {type(block).__name__}.")
+        if block is module:
+            raise ValueError("blocks must not contain the root module; it is sharded last anyway.")
+        if id(block) not in index:
+            raise ValueError(
+                f"block {type(block).__name__} is not a submodule of the model being sharded."
+            )
+        chosen[id(block)] = block
+    # In module order; fully_shard applies them in reverse, so children precede parents.
+    return sorted(chosen.values(), key=lambda b: index[id(b)])
+
+
+def _check_devices(module: nn.Module, mesh: DeviceMesh) -> None:
+    for name, param in module.named_parameters():
+        kind = param.device.type
+        # FSDP moves CPU params to the mesh's device and keeps meta params for deferred
+        # init; params already on another accelerator would be moved silently.
+        if kind not in ("cpu", "meta", mesh.device_type):
+            raise ValueError(
+                f"parameter {name!r} is on {param.device} but the mesh is on "
+                f"{mesh.device_type!r}; move the model to CPU (or {mesh.device_type}) or build "
+                f"the mesh with init_device_mesh({kind!r}, ...)."
+            )
+
+
+def _check_factor(factor: float | int | torch.Tensor) -> float:
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1:
+            raise ValueError(
+                f"gradient scaling factor tensor must have one element, got shape "
+                f"{tuple(factor.shape)}."
+            )
+        value = float(factor.detach().item())
+    elif isinstance(factor, (int, float)) and not isinstance(factor, bool):
+        value = float(factor)
+    else:
+        raise TypeError(
+            f"gradient scaling factor must be a float, an int or a 1-element tensor, got "
+            f"{type(factor).__name__}."
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"gradient scaling factor must be finite and > 0, got {value}; pass None to "
+            "turn scaling off."
+        )
+    return value
+
+
+def set_gradient_scaling_factor(
+    module: nn.Module,
+    factor: float | int | torch.Tensor | None = None,
+    *,
+    scale_factor: float | int | torch.Tensor | None = None,
+) -> None:
+    """Multiply the model's reduced gradients by ``factor`` before they land in ``.grad``.
+
+    Applies to every FSDP unit of a model sharded by :func:`fully_shard`, from
+    the next backward on. The factor multiplies the gradient FSDP would
+    otherwise store (already averaged over the data-parallel ranks), so
+    ``grad == factor * unscaled_grad``. Also available as the method
+    ``model.set_gradient_scaling_factor(...)``.
+
+    Args:
+        module: The root returned by :func:`fully_shard`.
+        factor: A finite number > 0 (float, int or 1-element tensor, read once
+            now), or ``None`` to turn scaling off.
+        scale_factor: The same, by keyword (the guide's spelling); give one of
+            ``factor`` and ``scale_factor``, not both.
+
+    Raises:
+        TypeError: both arguments given, or a factor of the wrong type.
+        ValueError: a non-finite or non-positive factor, a tensor with more
+            than one element, a module not sharded by :func:`fully_shard`, or
+            an FSDP unit that already has a user all-reduce hook.
+
+    Note:
+        The factor rides on FSDP's per-unit all-reduce hook; a later
+        ``set_all_reduce_hook`` on a unit replaces it for that unit.
+    """
+    if factor is not None and scale_factor is not None:
+        raise TypeError(
+            "set_gradient_scaling_factor() takes factor or scale_factor, not both "
+            f"(got factor={factor!r}, scale_factor={scale_factor!r})."
+        )
+    requested = factor if factor is not None else scale_factor
+    scaling = getattr(module, _SCALING_ATTR, None)
+    if not isinstance(scaling, GradientScaling):
+        raise ValueError(
+            f"{type(module).__name__} was not sharded by hyper_parallel.fully_shard; "
+            "call fully_shard(model, mesh=...) first."
+        )
+    value = None if requested is None else _check_factor(requested)
+    if value is not None:
+        _install_hooks(module, scaling)
+    scaling.factor = value
+
+
+def _install_hooks(module: nn.Module, scaling: GradientScaling) -> None:
+    # Installed on first use only, so a model that never scales keeps FSDP's
+    # hook slot (and its stream waits) free; turning scaling off leaves a no-op.
+    for unit in module.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        groups = unit._get_fsdp_state()._fsdp_param_groups
+        current = [getattr(g, "_all_reduce_hook", None) for g in groups]
+        if any(hook is not None and hook is not scaling for hook in current):
+            raise ValueError(
+                f"FSDP unit {type(unit).__name__} already has an all-reduce hook "
+                "(set_all_reduce_hook); the gradient scaling factor needs that hook slot."
+            )
+        if groups and not all(hook is scaling for hook in current):
+            unit.set_all_reduce_hook(scaling)
+
+
+def _default_mesh() -> DeviceMesh:
+    if dist.is_initialized():
+        # A gloo-only group cannot drive an accelerator mesh even where one is present.
+        device = "cpu" if dist.get_backend() == "gloo" else "auto"
+        return init_device_mesh(device, (dist.get_world_size(),))
+    # init_device_mesh initializes the process group from torchrun's environment
+    # (or says which variables are missing).
+    return init_device_mesh("auto", (int(os.environ.get("WORLD_SIZE") or 1),))
+
+
+def fully_shard(
+    module: ModuleT,
+    *,
+    mesh: DeviceMesh | None = None,
+    blocks: Sequence[nn.Module] | BlockPredicate | None = None,
+    reshard_after_forward: bool | int = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+) -> ModuleT:
+    """Shard ``module`` with torch FSDP2: each repeated block, then the root.
+
+    A 1-D mesh shards parameters over all its ranks (``Shard(0)``); a 2-D mesh
+    ``(replicate, shard)`` is HSDP (``(Replicate(), Shard(0))``). The model is
+    changed in place and returned; it is then an ``FSDPModule`` with the extra
+    method ``set_gradient_scaling_factor(factor=None, *, scale_factor=None)``
+    (see :func:`set_gradient_scaling_factor`).
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (dp_size,), mesh_dim_names=("dp",))
+        model = fully_shard(model, mesh=mesh)
+        model.set_gradient_scaling_factor(scale_factor=0.5)
+
+    Args:
+        module: The model. Its parameters may be on CPU, on meta, or on the
+            mesh's device.
+        mesh: A 1-D or 2-D ``DeviceMesh``; ``None`` builds a 1-D mesh over the
+            world on the default device (``init_device_mesh("auto", world)``).
+        blocks: The submodules that become their own FSDP units. ``None``
+            finds them: the children of the first ``nn.ModuleList`` /
+            ``nn.Sequential`` holding two or more modules of one class (e.g.
+            ``model.layers``). Or a list of submodules, or a predicate
+            ``(name, module) -> bool`` over ``module.named_modules()``.
+        reshard_after_forward: Passed to FSDP for the blocks. When ``True``
+            the root keeps FSDP's root default (no reshard after forward, as
+            backward needs its parameters at once).
+        mp_policy: FSDP's ``MixedPrecisionPolicy``; ``None`` keeps dtypes.
+        offload_policy: FSDP's ``OffloadPolicy``; ``None`` offloads nothing.
+
+    Returns:
+        ``module`` itself, now an ``FSDPModule``.
+
+    Raises:
+        TypeError: arguments of the wrong type.
+        ValueError: a module already sharded by FSDP, a mesh that is not 1-D
+            or 2-D, parameters on an accelerator other than the mesh's, or
+            blocks that are not submodules of ``module``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}.")
+    already = [
+        name or "<root>" for name, sub in module.named_modules() if isinstance(sub, FSDPModule)
+    ]
+    if already:
+        raise ValueError(
+            f"{type(module).__name__} is already sharded by FSDP (FSDP units: "
+            f"{', '.join(already[:5])}); call fully_shard once, on the unsharded model."
+        )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}.")
+    if not isinstance(reshard_after_forward, int):
+        raise TypeError(
+            f"reshard_after_forward must be a bool or int, got {type(reshard_after_forward).__name__}."
+        )
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}."
+        )
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}."
+        )
+    units = _select_blocks(module, blocks)
+    if mesh is None:
+        mesh = _default_mesh()
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard needs a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); "
+            f"got a {mesh.ndim}-D mesh {tuple(mesh.shape)} with names {mesh.mesh_dim_names}."
+        )
+    _check_devices(module, mesh)
+
+    mp = mp_policy or MixedPrecisionPolicy()
+    offload = offload_policy or OffloadPolicy()
+    # FSDP2 replaces every param with a sharded one; remember which old param became which
+    # name, so param lists built before sharding (as the user guide does) still resolve.
+    before = {id(p): (weakref.ref(p), name) for name, p in module.named_parameters()}
+    for block in reversed(units):
+        _torch_fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+            offload_policy=offload,
+        )  # fmt: skip
+    root_reshard = None if reshard_after_forward is True else reshard_after_forward
+    _torch_fully_shard(
+        module, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=mp, offload_policy=offload
+    )
+
+    setattr(module, PRESHARDING_PARAMS_ATTR, before)
+    scaling = GradientScaling()
+    setattr(module, _SCALING_ATTR, scaling)
+    bound = types.MethodType(set_gradient_scaling_factor, module)
+    setattr(module, "set_gradient_scaling_factor", bound)  # noqa: B010
+    return module
