@@ -5,6 +5,12 @@ Plugin authors need only :data:`hookimpl` (see
 optimizers with :func:`hyper_parallel.core.optimizer.get_hyper_optimizer`.
 """
 
+from hyper_parallel.core.distributed import (
+    clip_grad_norm_,
+    fully_shard,
+    init_device_mesh,
+    set_gradient_scaling_factor,
+)
 from hyper_parallel.core.errors import (
     DuplicatePluginError,
     HyperParallelError,
@@ -30,8 +36,12 @@ __all__ = [
     "PluginLoadError",
     "UnknownPluginError",
     "__version__",
+    "clip_grad_norm_",
+    "fully_shard",
     "get_registry",
     "hookimpl",
+    "init_device_mesh",
     "register_plugin",
+    "set_gradient_scaling_factor",
     "unregister_plugin",
 ]

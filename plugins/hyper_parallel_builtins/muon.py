@@ -150,6 +150,21 @@ def _check_param(param: Tensor) -> None:
         )
 
 
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a view: in-place ops reach the DTensor), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(local: Tensor, template: Tensor) -> Tensor:
+    """``local`` as a DTensor laid out like ``template`` (``local`` itself for plain tensors)."""
+    if not isinstance(template, DTensor):
+        return local
+    return DTensor.from_local(
+        local, template.device_mesh, template.placements, run_check=False,
+        shape=template.shape, stride=template.stride(),
+    )  # fmt: skip
+
+
 def _by_device_and_dtype(tensors: list[Tensor]) -> list[list[int]]:
     """Indices of ``tensors`` grouped so each group can take one foreach call."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -400,16 +415,21 @@ class Muon(torch.optim.Optimizer):
         lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
         momentum = group["momentum"]
         foreach_groups = _by_device_and_dtype(params)
+        # Element-wise work runs on the local shards: for DTensors that skips the
+        # per-op dispatch cost, and the math is the same shard by shard.
+        local_params, local_grads, local_buffers = (
+            [_local(t) for t in ts] for ts in (params, grads, buffers)
+        )
 
         updates: list[Tensor] = list(buffers)
         for indices in foreach_groups:
-            group_grads = [grads[i] for i in indices]
-            group_buffers = [buffers[i] for i in indices]
+            group_grads = [local_grads[i] for i in indices]
+            group_buffers = [local_buffers[i] for i in indices]
             torch._foreach_lerp_(group_buffers, group_grads, 1 - momentum)
             if group["nesterov"]:
                 looked_ahead = torch._foreach_lerp(group_grads, group_buffers, momentum)
                 for i, update in zip(indices, looked_ahead, strict=True):
-                    updates[i] = update
+                    updates[i] = _like(update, buffers[i])
 
         orthogonal = self._orthogonalize(updates, group)
         del updates
@@ -417,10 +437,10 @@ class Muon(torch.optim.Optimizer):
         decay = 1 - lr * group["weight_decay"]
         if decay != 1:
             for indices in foreach_groups:
-                torch._foreach_mul_([params[i] for i in indices], decay)
-        for p, o in zip(params, orthogonal, strict=True):
+                torch._foreach_mul_([local_params[i] for i in indices], decay)
+        for p, local, o in zip(params, local_params, orthogonal, strict=True):
             _, rows, cols = matrix_shape(p.shape, group["matrix_view"])
-            p.add_(o, alpha=-self._adjusted_lr(lr, rows, cols, group))
+            local.add_(_local(o), alpha=-self._adjusted_lr(lr, rows, cols, group))
 
     @overload
     def step(self, closure: None = None) -> None: ...

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from hyper_parallel.core._suggest import accepted_keywords, check_keywords, did_you_mean
 from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
+from hyper_parallel.core.distributed.fsdp import PRESHARDING_PARAMS_ATTR
 from hyper_parallel.core.optimizer.chained import ChainedOptimizer
 from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry
 
@@ -214,6 +215,7 @@ def get_hyper_optimizer(
         _apply_partitioner(model, partitioner or "by_shape", partitioner_kwargs or {}, specs, add)
 
     named = _named_params(model)
+    _follow_sharding(model, specs)
     _drop_frozen_and_duplicates(specs, named)
     _move_vectors_off_matrix_optimizers(specs, named, add)
 
@@ -293,6 +295,27 @@ def _named_params(model: nn.Module) -> dict[int, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
+
+
+def _follow_sharding(model: nn.Module, specs: Mapping[str, _Spec]) -> None:
+    """Swap params listed before ``fully_shard`` for the sharded params that replaced them."""
+    replaced = getattr(model, PRESHARDING_PARAMS_ATTR, None)
+    if not replaced:
+        return
+    current = dict(model.named_parameters(remove_duplicate=False))
+    for spec in specs.values():
+        for group in spec.groups:
+            swapped = []
+            for p in group["params"]:
+                ref_and_name = replaced.get(id(p))
+                if (
+                    ref_and_name is not None
+                    and ref_and_name[0]() is p
+                    and ref_and_name[1] in current
+                ):
+                    p = current[ref_and_name[1]]
+                swapped.append(p)
+            group["params"] = swapped
 
 
 def _label(p: torch.Tensor, named: Mapping[int, str]) -> str:
