@@ -92,7 +92,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     fields = (
         "optimizer", "compare", "partitioner", "scheduler", "steps", "warmup_steps", "lr", "muon_lr",
         "weight_decay", "batch_size", "seq_len", "dim", "layers", "heads", "tied_embeddings",
-        "eval_every", "seed", "data", "tokenizer", "out",
+        "eval_every", "seed", "data", "tokenizer", "out", "sharding",
     )  # fmt: skip
     config = TrainConfig(**{k: getattr(args, k) for k in fields}, progress=not args.no_progress)
     summary = train(config)
@@ -191,6 +191,11 @@ def _add_train_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--out", type=Path, default=d.out, help="output directory (default: %(default)s)"
+    )
+    p.add_argument(
+        "--sharding",
+        help="shard the model with this backend (fsdp, hsdp); run under torchrun, e.g. "
+        "torchrun --nproc_per_node 2 -m hyper_parallel train --sharding fsdp",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_cmd_train)

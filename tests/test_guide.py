@@ -71,6 +71,36 @@ BLOCK_4 = """for epoch in range(num_epochs):
 """
 
 
+# The "Sharded optimizer" and "Gradient scaling factor + clip_grad" blocks, verbatim but for
+# "cpu" in place of "npu" and without the "..." placeholder line (not Python).
+DISTRIBUTED_BLOCKS = [
+    """from hyper_parallel import fully_shard, init_device_mesh
+from hyper_parallel.core.optimizer import get_hyper_optimizer
+
+mesh = init_device_mesh("cpu", (dp_size,), mesh_dim_names=("dp",))
+model = fully_shard(model, mesh=mesh)
+
+# after FSDP sharding, the optimizer state is sharded too
+optimizer = get_hyper_optimizer(
+    model=model,
+    muon_params=muon_param_groups,
+    adamw_params=adamw_param_groups,
+)
+""",
+    """from hyper_parallel import fully_shard, init_device_mesh
+
+mesh = init_device_mesh("cpu", (dp_size,), mesh_dim_names=("dp",))
+model = fully_shard(model, mesh=mesh)
+
+# set the gradient scaling factor
+model.set_gradient_scaling_factor(scale_factor=0.5)
+
+# clip_grad enhancement: align the clip_grad_norm_ reduction with each grad's
+# process group, so clip_grad works under mixed parallelism
+""",
+]
+
+
 def _guide_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), flags=re.S)
 
@@ -79,7 +109,10 @@ def _guide_blocks() -> list[str]:
     not GUIDE.exists(), reason="shared/reference/optimizer-guide.md is not beside the checkout"
 )
 def test_blocks_are_the_guides_own() -> None:
-    assert _guide_blocks()[:4] == [BLOCK_1, BLOCK_2, BLOCK_3, BLOCK_4]
+    blocks = _guide_blocks()
+    assert blocks[:4] == [BLOCK_1, BLOCK_2, BLOCK_3, BLOCK_4]
+    as_run = [b.replace('"npu"', '"cpu"').replace("    ...\n", "") for b in blocks[4:6]]
+    assert as_run == DISTRIBUTED_BLOCKS
 
 
 class GuideLM(TinyLM):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -59,6 +60,7 @@ class TrainConfig:
     tokenizer: str = "char"
     out: Path = Path("runs/train")
     progress: bool = True
+    sharding: str | None = None  # a sharding backend (fsdp, hsdp); run under torchrun
 
     def validate(self) -> None:
         """Raise :class:`TrainError` for the first unusable option."""
@@ -95,6 +97,11 @@ class TrainConfig:
         if self.tokenizer not in ("char", "byte"):
             raise TrainError(f"--tokenizer must be 'char' or 'byte', got {self.tokenizer!r}")
         registry = get_registry()
+        if self.sharding is not None:
+            try:
+                registry.get(PluginKind.SHARDING_BACKEND, self.sharding)
+            except HyperParallelError as exc:
+                raise TrainError(f"--sharding: {exc}") from None
         for flag, choice in (("--optimizer", self.optimizer), ("--compare", self.compare)):
             if choice is not None and choice != MUON_ADAMW:
                 try:
@@ -176,17 +183,22 @@ def steps_to_reach(val_losses: list[tuple[int, float]], target: float) -> float 
 
 
 class _Metrics:
-    """Appends one JSON object per line and flushes, so an interrupted run keeps its log."""
+    """Appends one JSON object per line and flushes, so an interrupted run keeps its log.
 
-    def __init__(self, path: Path) -> None:
-        self._file: TextIO = path.open("w", encoding="utf-8")
+    With no path (ranks other than 0 of a sharded run) it writes nothing.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self._file: TextIO | None = path.open("w", encoding="utf-8") if path else None
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def _evaluate(model: TinyGPT, val_batches: list[torch.Tensor]) -> float:
@@ -201,14 +213,67 @@ def _lrs(optimizer: ChainedOptimizer) -> dict[str, float]:
     return {name: float(opt.param_groups[0]["lr"]) for name, opt in optimizer.optimizers.items()}
 
 
+@dataclass(frozen=True)
+class _Placement:
+    """Where this process trains: one process, or one rank of a sharded run."""
+
+    mesh: Any = None  # a DeviceMesh when sharded
+    backend: Any = None  # the ShardingBackend that shards the model
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def mean(self, value: float) -> float:
+        """The average of ``value`` over ranks (a no-op on one process)."""
+        if self.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world_size
+
+
+def _placement(config: TrainConfig) -> _Placement:
+    """Set up the mesh for ``--sharding`` (the process group comes from torchrun)."""
+    if config.sharding is None or config.sharding == "local":
+        return _Placement()
+    import torch.distributed as dist
+
+    from hyper_parallel.core.distributed import init_device_mesh
+
+    backend = get_registry().get(PluginKind.SHARDING_BACKEND, config.sharding).obj()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if backend.name == "hsdp":
+        shard = 2 if world % 2 == 0 and world >= 4 else world
+        shape: tuple[int, ...] = (world // shard, shard)
+        names: tuple[str, ...] = ("replicate", "shard")
+    else:
+        shape, names = (world,), ("shard",)
+    try:
+        mesh = init_device_mesh("auto", shape, mesh_dim_names=names)
+    except (RuntimeError, ValueError, ImportError) as exc:
+        raise TrainError(f"--sharding {config.sharding}: {exc}") from None
+    return _Placement(mesh=mesh, backend=backend, rank=dist.get_rank(), world_size=world)
+
+
 def run_one(
     config: TrainConfig,
     name: str,
     data: TokenizedText,
     metrics: _Metrics,
     progress_factory: Callable[..., Any] | None,
+    placement: _Placement | None = None,
 ) -> RunResult:
-    """Train a fresh model with optimizer ``name``; every run sees the same init and batches."""
+    """Train a fresh model with optimizer ``name``; every run sees the same init and batches.
+
+    Sharded, each rank draws its own batches (the global batch is
+    ``batch_size x world_size``) and only rank 0 writes metrics.
+    """
+    placement = placement or _Placement()
     torch.manual_seed(config.seed)
     model = TinyGPT(
         GPTConfig(
@@ -221,6 +286,8 @@ def run_one(
             tied_embeddings=config.tied_embeddings,
         )
     )
+    if placement.backend is not None:
+        placement.backend.shard_model(model, mesh=placement.mesh)
     optimizer = build_optimizer(config, name, model)
     warmup = config.warmup_steps if config.warmup_steps is not None else max(1, config.steps // 20)
     try:
@@ -231,7 +298,7 @@ def run_one(
         raise TrainError(f"--scheduler {config.scheduler}: {exc}") from None
     train_iter = batches(
         data.train, batch_size=config.batch_size, seq_len=config.seq_len,
-        generator=torch.Generator().manual_seed(config.seed),
+        generator=torch.Generator().manual_seed(config.seed + 7919 * placement.rank),
     )  # fmt: skip
     val_iter = batches(
         data.val, batch_size=config.batch_size, seq_len=config.seq_len,
@@ -239,7 +306,7 @@ def run_one(
     )  # fmt: skip
     val_batches = [next(val_iter) for _ in range(config.eval_batches)]
     result = RunResult(name=name, steps_done=0)
-    tokens_per_step = config.batch_size * config.seq_len
+    tokens_per_step = config.batch_size * config.seq_len * placement.world_size
     bar = progress_factory(total=config.steps, desc=name) if progress_factory else None
     start = time.perf_counter()
     window_start, window_steps = start, 0
@@ -253,7 +320,7 @@ def run_one(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            value = float(loss.detach())
+            value = placement.mean(float(loss.detach()))
             if not math.isfinite(value):
                 raise TrainError(
                     f"{name}: the loss became {value} at step {step}; lower the learning rate"
@@ -377,21 +444,26 @@ def train(config: TrainConfig, *, echo: Callable[[str], None] = print) -> dict[s
 
     config.validate()
     data = load_data(config)
-    config.out.mkdir(parents=True, exist_ok=True)
-    progress = _progress_factory() if config.progress else None
-    metrics = _Metrics(config.out / "metrics.jsonl")
+    placement = _placement(config)
+    main = placement.is_main
+    if main:
+        config.out.mkdir(parents=True, exist_ok=True)
+    progress = _progress_factory() if config.progress and main else None
+    metrics = _Metrics(config.out / "metrics.jsonl" if main else None)
     results: list[RunResult] = []
     try:
         for name in [config.optimizer, *([config.compare] if config.compare else [])]:
-            results.append(run_one(config, name, data, metrics, progress))
+            results.append(run_one(config, name, data, metrics, progress, placement))
             if results[-1].interrupted:
                 break
     finally:
         metrics.close()
-    plot_losses(results, config.out / "loss_curves.png", title=f"{data.source}")
     summary = _summary(config, data, results)
-    (config.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    _print_summary(summary, config.out, echo)
+    if main:
+        plot_losses(results, config.out / "loss_curves.png", title=f"{data.source}")
+        summary_path = config.out / "summary.json"
+        summary_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        _print_summary(summary, config.out, echo)
     return summary
 
 
