@@ -164,3 +164,39 @@ def test_fsdp_four_ranks_and_hsdp_2x2_equal_one_process() -> None:
 
 def test_newton_schulz_work_is_spread_over_ranks() -> None:
     run_distributed(_work_is_spread, world_size=2)
+
+
+def _ddp_share(rank: int, world_size: int) -> None:
+    """DDP-replicated params: each rank orthogonalizes a share; every rank ends equal to one process."""
+    import hyper_parallel_builtins.muon as muon_module
+
+    calls: list[int] = []
+    real = muon_module.newton_schulz_batched
+
+    def counting(matrices: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        calls.append(len(matrices))
+        return real(matrices, *args, **kwargs)
+
+    torch.manual_seed(0)
+    reference = TinyLM(qkv_bias=False)
+    model = copy.deepcopy(reference)
+    ref_opt = _optimizer(reference)
+    _train(reference, ref_opt, _batch())
+    muon_module.newton_schulz_batched = counting  # type: ignore[assignment]
+    try:
+        opt = _optimizer(model, sharding="ddp")
+        for _ in range(STEPS):  # DDP: the same full-batch grads on every rank
+            lm_loss(model, _batch()).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        muon_module.newton_schulz_batched = real  # type: ignore[assignment]
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-5, msg=f"ddp: {name}")
+    counts = [0] * world_size
+    dist.all_gather_object(counts, sum(calls))
+    assert sum(counts) == 14 * STEPS and all(0 < c < 14 * STEPS for c in counts), counts
+
+
+def test_ddp_replicas_split_the_work() -> None:
+    run_distributed(_ddp_share, world_size=2)

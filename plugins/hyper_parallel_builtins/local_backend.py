@@ -11,13 +11,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core.distributed import FullTensorsFn, ShardingBackend
+from hyper_parallel.core.distributed.full_matrix import replicated_full_matrix_map
 from hyper_parallel.core.plugin import RegisterFn
 
-__all__ = ["LocalBackend"]
+__all__ = ["DDPBackend", "LocalBackend"]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -52,7 +54,35 @@ class LocalBackend(ShardingBackend):
         return fn(list(tensors))
 
 
+class DDPBackend(LocalBackend):
+    """Whole tensors replicated on every rank (DDP): each rank does a share of the work.
+
+    Used only when named (``sharding="ddp"``): the params must be identical on
+    every rank of the default process group, which nothing can check cheaply.
+    """
+
+    name: ClassVar[str] = "ddp"
+    auto_detect: ClassVar[bool] = False
+
+    def full_matrix_map(
+        self,
+        fn: FullTensorsFn,
+        tensors: Sequence[torch.Tensor],
+        *,
+        batch_dims: Sequence[int] | None = None,
+        cost: Callable[[torch.Size], float] | None = None,
+    ) -> list[torch.Tensor]:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return fn(list(tensors))
+        return replicated_full_matrix_map(fn, tensors, cost=cost)
+
+
 @hookimpl
 def hyper_parallel_register_sharding_backends(register: RegisterFn) -> None:
-    """Register ``local``."""
+    """Register ``local`` and ``ddp``."""
     register("local", LocalBackend, description="no sharding: whole tensors on every process")
+    register(
+        "ddp",
+        DDPBackend,
+        description="DDP-replicated whole tensors: ranks split the work (by name only)",
+    )

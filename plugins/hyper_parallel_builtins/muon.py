@@ -10,6 +10,7 @@ named coefficient sets, the Moonlight-style RMS target
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, cast, overload
 
@@ -20,7 +21,7 @@ from torch.optim.optimizer import ParamsT
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
-from hyper_parallel.core.distributed import ShardingBackend, resolve_backend
+from hyper_parallel.core.distributed import SHARDING_ENV, ShardingBackend, resolve_backend
 from hyper_parallel.core.plugin import RegisterFn
 from hyper_parallel_builtins.newton_schulz import (
     KELLER_COEFFICIENTS,
@@ -324,7 +325,8 @@ class Muon(torch.optim.Optimizer):
         Returns:
             The orthogonalized updates, laid out like ``updates``.
         """
-        if not any(isinstance(u, DTensor) for u in updates):
+        named = group["sharding"] or os.environ.get(SHARDING_ENV)
+        if not named and not any(isinstance(u, DTensor) for u in updates):
             return self._orthogonalize_full(updates, group)
         backend = self._backend(group)
         view = group["matrix_view"]

@@ -32,6 +32,8 @@ class ShardingBackend(abc.ABC):
     """
 
     name: ClassVar[str] = ""
+    #: Whether :func:`resolve_backend` may pick this backend when none is named.
+    auto_detect: ClassVar[bool] = True
 
     @abc.abstractmethod
     def accepts(self, params: Sequence[torch.Tensor]) -> bool:
@@ -71,7 +73,8 @@ def resolve_backend(name: str | None, params: Sequence[torch.Tensor]) -> Shardin
     """The backend named ``name`` (or ``$HYPER_PARALLEL_SHARDING``), else the one that fits ``params``.
 
     Detection tries every registered backend but ``local`` in name order and
-    takes the first that accepts the params, then ``local``.
+    takes the first that accepts the params, then ``local``; backends with
+    ``auto_detect = False`` (``ddp``) are used only when named.
 
     Raises:
         UnknownPluginError: no backend of that name.
@@ -95,7 +98,7 @@ def resolve_backend(name: str | None, params: Sequence[torch.Tensor]) -> Shardin
     ordered = [e for e in entries if e.name != "local"] + [e for e in entries if e.name == "local"]
     for entry in ordered:
         backend = entry.obj()
-        if backend.accepts(params):
+        if backend.auto_detect and backend.accepts(params):
             return backend
     raise ValueError(
         f"No sharding backend accepts these params ({_describe(params)}); installed: "

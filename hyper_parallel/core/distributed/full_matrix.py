@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "FullTensorsFn",
     "assign_owners",
+    "replicated_full_matrix_map",
     "row_shard_layout",
     "sharded_full_matrix_map",
 ]
@@ -273,7 +274,7 @@ def _row_sharded_map(
     return [r for r in results if r is not None]
 
 
-def _buckets(tensors: list[DTensor], bucket_bytes: int) -> list[list[int]]:
+def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
     """Consecutive groups of one dtype whose full sizes add up to at most ``bucket_bytes``."""
     buckets: list[list[int]] = []
     size = 0
@@ -298,3 +299,44 @@ def _exchange(
     recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
     dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
     return list(recv.split(recv_sizes))
+
+
+def replicated_full_matrix_map(
+    fn: FullTensorsFn,
+    tensors: Sequence[torch.Tensor],
+    *,
+    cost: Callable[[torch.Size], float] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    group: dist.ProcessGroup | None = None,
+) -> list[torch.Tensor]:
+    """``fn`` on whole tensors that every rank of ``group`` holds identically (DDP).
+
+    Each tensor gets one owner rank (balanced by ``cost``); owners compute
+    their share and broadcast the results, one broadcast per owner and bucket.
+    """
+    tensors = list(tensors)
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    costs = [float(cost(t.shape)) if cost else float(t.numel()) for t in tensors]
+    loads = [0.0] * world
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for bucket in _buckets(tensors, bucket_bytes):
+        owners = assign_owners([costs[i] for i in bucket], world, loads)
+        mine = [i for i, o in zip(bucket, owners, strict=True) if o == me]
+        computed = dict(zip(mine, fn([tensors[i] for i in mine]), strict=True)) if mine else {}
+        dtype, device = tensors[bucket[0]].dtype, tensors[bucket[0]].device
+        for owner in range(world):
+            owned = [i for i, o in zip(bucket, owners, strict=True) if o == owner]
+            if not owned:
+                continue
+            sizes = [tensors[i].numel() for i in owned]
+            if owner == me:
+                flat = torch.cat([computed[i].to(dtype).reshape(-1) for i in owned])
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+            dist.broadcast(
+                flat, src=dist.get_global_rank(group, owner) if group else owner, group=group
+            )
+            for i, piece in zip(owned, flat.split(sizes), strict=True):
+                out[i] = piece.view(tensors[i].shape)
+    return [r for r in out if r is not None]
