@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -121,11 +123,9 @@ def _fsdp_and_hsdp(rank: int, world_size: int) -> None:
         _check_against_one_process(mesh, rows, "hsdp 2x2")
 
 
-def _work_is_spread(rank: int, world_size: int) -> None:
-    """Every rank runs Newton-Schulz on some matrices, none on all of them."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
+@contextmanager
+def _counting_newton_schulz() -> Iterator[list[int]]:
+    """Record how many matrices each batched Newton-Schulz call on this rank gets."""
     import hyper_parallel_builtins.muon as muon_module
 
     calls: list[int] = []
@@ -137,6 +137,17 @@ def _work_is_spread(rank: int, world_size: int) -> None:
 
     muon_module.newton_schulz_batched = counting  # type: ignore[assignment]
     try:
+        yield calls
+    finally:
+        muon_module.newton_schulz_batched = real  # type: ignore[assignment]
+
+
+def _work_is_spread(rank: int, world_size: int) -> None:
+    """Every rank runs Newton-Schulz on some matrices, none on all of them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with _counting_newton_schulz() as calls:
         torch.manual_seed(0)
         model = TinyLM()
         mesh = init_device_mesh("cpu", (world_size,))
@@ -146,8 +157,6 @@ def _work_is_spread(rank: int, world_size: int) -> None:
         opt = _optimizer(model, sharding="fsdp")
         lm_loss(model, _batch()[rank * 2 : rank * 2 + 2]).backward()
         opt.step()
-    finally:
-        muon_module.newton_schulz_batched = real  # type: ignore[assignment]
     done = sum(calls)
     counts = [0] * world_size
     dist.all_gather_object(counts, done)
@@ -168,29 +177,17 @@ def test_newton_schulz_work_is_spread_over_ranks() -> None:
 
 def _ddp_share(rank: int, world_size: int) -> None:
     """DDP-replicated params: each rank orthogonalizes a share; every rank ends equal to one process."""
-    import hyper_parallel_builtins.muon as muon_module
-
-    calls: list[int] = []
-    real = muon_module.newton_schulz_batched
-
-    def counting(matrices: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        calls.append(len(matrices))
-        return real(matrices, *args, **kwargs)
-
     torch.manual_seed(0)
     reference = TinyLM(qkv_bias=False)
     model = copy.deepcopy(reference)
     ref_opt = _optimizer(reference)
     _train(reference, ref_opt, _batch())
-    muon_module.newton_schulz_batched = counting  # type: ignore[assignment]
-    try:
+    with _counting_newton_schulz() as calls:
         opt = _optimizer(model, sharding="ddp")
         for _ in range(STEPS):  # DDP: the same full-batch grads on every rank
             lm_loss(model, _batch()).backward()
             opt.step()
             opt.zero_grad()
-    finally:
-        muon_module.newton_schulz_batched = real  # type: ignore[assignment]
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-5, msg=f"ddp: {name}")
     counts = [0] * world_size

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from installing import pip_install_into
 
 from hyper_parallel import PluginKind, get_registry
 from hyper_parallel.core.plugin import hookspecs
@@ -255,23 +256,7 @@ def example_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     projects = {Path(b.title).parts[0] for b in files}
     assert len(projects) == 1, f"expected one example package, got {sorted(projects)}"
     target = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--target",
-            str(target),
-            str(tmp_path / "src" / projects.pop()),
-        ],
-        check=True,
-        cwd=tmp_path,
-    )
+    pip_install_into(tmp_path / "src" / projects.pop(), target, cwd=tmp_path)
     monkeypatch.syspath_prepend(str(target))
     importlib.invalidate_caches()
     get_registry().reset()

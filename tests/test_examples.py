@@ -23,6 +23,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from installing import pip_install_into
 
 from conftest import lm_loss
 from hyper_parallel import get_registry
@@ -115,23 +116,7 @@ def installed_example_plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".pytest_cache"),
     )
     target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--target",
-            str(target),
-            str(source),
-        ],
-        check=True,
-        cwd=tmp_path_factory.mktemp("build"),
-    )
+    pip_install_into(source, target, cwd=tmp_path_factory.mktemp("build"))
     return target
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from installing import pip_install_into
 
 import hyper_parallel
 from hyper_parallel import (
@@ -291,23 +291,7 @@ def installed_thirdparty(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("site")
     source = Path(__file__).parent / "data" / "thirdparty_plugin"
     build = tmp_path_factory.mktemp("build")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--target",
-            str(target),
-            str(source),
-        ],
-        check=True,
-        cwd=build,
-    )
+    pip_install_into(source, target, cwd=build)
     return target
 
 

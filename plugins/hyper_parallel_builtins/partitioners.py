@@ -9,7 +9,7 @@ are left out.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +107,24 @@ def _check_options(model: nn.Module, matrix_optimizer: str, fallback_optimizer: 
         )
 
 
+def _partition(
+    model: nn.Module,
+    to_matrix_optimizer: Callable[[_Param], bool],
+    matrix_optimizer: str,
+    fallback_optimizer: str,
+    no_decay: bool,
+) -> dict[str, list[Any]]:
+    """Each trainable param to the matrix optimizer if the predicate says so, else the fallback."""
+    matrices: list[torch.Tensor] = []
+    rest: list[_Param] = []
+    for p in _trainable(model):
+        if to_matrix_optimizer(p):
+            matrices.append(p.param)
+        else:
+            rest.append(p)
+    return {matrix_optimizer: matrices, fallback_optimizer: _split_decay(rest, no_decay)}
+
+
 def _split_decay(params: list[_Param], no_decay: bool) -> list[dict[str, Any]]:
     """The fallback optimizer's groups: decayed, and (optionally) biases/norms without decay."""
     if not no_decay:
@@ -165,14 +183,13 @@ def by_name(
         def selected(name: str) -> bool:
             return any(k in name for k in key_list)
 
-    matrices: list[torch.Tensor] = []
-    rest: list[_Param] = []
-    for p in _trainable(model):
-        if selected(p.name) and p.param.ndim >= 2:
-            matrices.append(p.param)
-        else:
-            rest.append(p)
-    return {matrix_optimizer: matrices, fallback_optimizer: _split_decay(rest, no_decay)}
+    return _partition(
+        model,
+        lambda p: selected(p.name) and p.param.ndim >= 2,
+        matrix_optimizer,
+        fallback_optimizer,
+        no_decay,
+    )
 
 
 def by_shape(
@@ -197,20 +214,16 @@ def by_shape(
     """
     _check_options(model, matrix_optimizer, fallback_optimizer)
     heads = _head_ids(model, head_names)
-    matrices: list[torch.Tensor] = []
-    rest: list[_Param] = []
-    for p in _trainable(model):
-        hidden_matrix = (
+
+    def hidden_matrix(p: _Param) -> bool:
+        return (
             p.param.ndim >= 2
             and not isinstance(p.module, (nn.Embedding, nn.EmbeddingBag))
             and id(p.param) not in heads
             and not _is_norm(p.module)
         )
-        if hidden_matrix:
-            matrices.append(p.param)
-        else:
-            rest.append(p)
-    return {matrix_optimizer: matrices, fallback_optimizer: _split_decay(rest, no_decay)}
+
+    return _partition(model, hidden_matrix, matrix_optimizer, fallback_optimizer, no_decay)
 
 
 def by_module(
@@ -233,19 +246,15 @@ def by_module(
     """
     _check_options(model, matrix_optimizer, fallback_optimizer)
     heads = _head_ids(model, head_names)
-    matrices: list[torch.Tensor] = []
-    rest: list[_Param] = []
-    for p in _trainable(model):
-        linear_weight = (
+
+    def linear_weight(p: _Param) -> bool:
+        return (
             isinstance(p.module, nn.Linear)
             and p.param is p.module.weight
             and id(p.param) not in heads
         )
-        if linear_weight:
-            matrices.append(p.param)
-        else:
-            rest.append(p)
-    return {matrix_optimizer: matrices, fallback_optimizer: _split_decay(rest, no_decay)}
+
+    return _partition(model, linear_weight, matrix_optimizer, fallback_optimizer, no_decay)
 
 
 @hookimpl
