@@ -40,6 +40,17 @@ def test_owner_assignment_balances_newton_schulz_flops(world_size: int) -> None:
     assert assign_owners(costs, world_size) == owners  # every rank computes the same
 
 
+def test_exchange_rounds_give_every_owner_work() -> None:
+    from hyper_parallel.core.distributed.full_matrix import _rounds
+
+    tensors = [torch.zeros(4, 4) for _ in range(6)] + [torch.zeros(2, 2, dtype=torch.float64)]
+    owners = [0, 1, 0, 1, 1, 0, 1]
+    rounds = _rounds(tensors, owners, 2, bucket_bytes=4 * 4 * 4)  # one matrix per owner per round
+    assert rounds == [([0, 1], [0, 1]), ([2, 3], [0, 1]), ([4, 5], [1, 0]), ([6], [1])]
+    (whole,) = _rounds(tensors[:6], owners[:6], 2, bucket_bytes=10**9)
+    assert whole == ([0, 1, 2, 3, 4, 5], owners[:6])
+
+
 def _batch() -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
     return torch.randint(0, 32, (4, 9), generator=gen)
@@ -161,6 +172,14 @@ def _work_is_spread(rank: int, world_size: int) -> None:
     counts = [0] * world_size
     dist.all_gather_object(counts, done)
     assert sum(counts) == 14 and all(0 < c < 14 for c in counts), counts
+
+    from torch.distributed.tensor import DTensor, Partial
+
+    from hyper_parallel.core.distributed.full_matrix import sharded_full_matrix_map
+
+    partial = DTensor.from_local(torch.ones(3, 3), mesh, [Partial()])
+    with pytest.raises(ValueError, match=r"a Partial value is not a matrix yet"):
+        sharded_full_matrix_map(lambda ts: ts, [partial])
 
 
 def test_fsdp_two_ranks_equals_one_process() -> None:

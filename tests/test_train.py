@@ -194,6 +194,8 @@ def test_user_text_file_char_and_byte(tmp_path: Path) -> None:
         (["--optimizer", "muonn"], "--optimizer: Unknown optimizer 'muonn'"),
         (["--compare", "adamx"], "--compare: Unknown optimizer 'adamx'"),
         (["--scheduler", "cosin"], "--scheduler: Unknown LR schedule 'cosin'"),
+        (["--sharding", "ddp"], "--sharding ddp: train shards its model with fsdp or hsdp"),
+        (["--sharding", "fsdpp"], "--sharding: Unknown sharding backend 'fsdpp'"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(

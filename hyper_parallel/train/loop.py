@@ -221,6 +221,7 @@ class _Placement:
     backend: Any = None  # the ShardingBackend that shards the model
     rank: int = 0
     world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def is_main(self) -> bool:
@@ -232,21 +233,31 @@ class _Placement:
             return value
         import torch.distributed as dist
 
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t.item()) / self.world_size
 
 
 def _placement(config: TrainConfig) -> _Placement:
     """Set up the mesh for ``--sharding`` (the process group comes from torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if config.sharding is None or config.sharding == "local":
+        if world > 1:
+            raise TrainError(
+                f"{world} processes were launched but --sharding is "
+                f"{config.sharding or 'not set'}: pass --sharding fsdp or hsdp, or run one process"
+            )
         return _Placement()
     import torch.distributed as dist
 
     from hyper_parallel.core.distributed import init_device_mesh
 
     backend = get_registry().get(PluginKind.SHARDING_BACKEND, config.sharding).obj()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if backend.name not in ("fsdp", "hsdp"):
+        raise TrainError(
+            f"--sharding {config.sharding}: train shards its model with fsdp or hsdp; "
+            f"{backend.name!r} is not supported here"
+        )
     if backend.name == "hsdp":
         shard = 2 if world % 2 == 0 and world >= 4 else world
         shape: tuple[int, ...] = (world // shard, shard)
@@ -257,7 +268,14 @@ def _placement(config: TrainConfig) -> _Placement:
         mesh = init_device_mesh("auto", shape, mesh_dim_names=names)
     except (RuntimeError, ValueError, ImportError) as exc:
         raise TrainError(f"--sharding {config.sharding}: {exc}") from None
-    return _Placement(mesh=mesh, backend=backend, rank=dist.get_rank(), world_size=world)
+    device = (
+        torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        if mesh.device_type != "cpu"
+        else torch.device("cpu")
+    )
+    return _Placement(
+        mesh=mesh, backend=backend, rank=dist.get_rank(), world_size=world, device=device
+    )
 
 
 def run_one(
@@ -304,7 +322,7 @@ def run_one(
         data.val, batch_size=config.batch_size, seq_len=config.seq_len,
         generator=torch.Generator().manual_seed(config.seed + 1),
     )  # fmt: skip
-    val_batches = [next(val_iter) for _ in range(config.eval_batches)]
+    val_batches = [next(val_iter).to(placement.device) for _ in range(config.eval_batches)]
     result = RunResult(name=name, steps_done=0)
     tokens_per_step = config.batch_size * config.seq_len * placement.world_size
     bar = progress_factory(total=config.steps, desc=name) if progress_factory else None
@@ -315,7 +333,7 @@ def run_one(
         metrics.write({"run": name, "step": 0, "val_loss": result.val_losses[-1][1]})
         for step in range(1, config.steps + 1):
             lrs = _lrs(optimizer)
-            loss = model.loss(next(train_iter))
+            loss = model.loss(next(train_iter).to(placement.device))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

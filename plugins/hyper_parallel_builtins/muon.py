@@ -291,7 +291,6 @@ class Muon(torch.optim.Optimizer):
             "sharding": sharding,
         }
         _check_options(defaults)
-        self._backends: dict[int, ShardingBackend] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -308,7 +307,6 @@ class Muon(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_backends", {})
         # A state_dict saved by torch.optim.Muon lacks the keys only we have.
         for group in self.param_groups:
             for key, value in _EXTRA_DEFAULTS.items():
@@ -345,12 +343,8 @@ class Muon(torch.optim.Optimizer):
 
     def _backend(self, group: dict[str, Any]) -> ShardingBackend:
         """The group's sharding backend: its ``sharding`` option, the environment, or detected."""
-        key = id(group)
-        backend = self._backends.get(key)
-        if backend is None:
-            backend = resolve_backend(group["sharding"], group["params"])
-            self._backends[key] = backend
-        return backend
+        # Resolved every step (cheap): groups, their options and the environment can change.
+        return resolve_backend(group["sharding"], group["params"])
 
     def _orthogonalize_full(self, updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
         """Newton-Schulz of whole (plain) tensors, one batched call per matrix shape.

@@ -31,7 +31,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -42,7 +42,7 @@ __all__ = [
     "sharded_full_matrix_map",
 ]
 
-#: Full-matrix bytes per owner bucket: bounds the extra memory of one exchange.
+#: Full-tensor bytes each owner takes per exchange round (bounds its extra memory).
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 
 #: Maps a list of full (plain) tensors to results of the same shapes.
@@ -146,6 +146,11 @@ def sharded_full_matrix_map(
         if not isinstance(t, DTensor):
             local.append(i)
             continue
+        if any(isinstance(p, Partial) for p in t.placements):
+            raise ValueError(
+                f"Tensor {i} (shape {tuple(t.shape)}) has placements {t.placements}: a Partial "
+                "value is not a matrix yet. Reduce it first (redistribute to Replicate or Shard)."
+            )
         sharded = [p.dim for p in t.placements if isinstance(p, Shard)]
         if all(d < dims[i] for d in sharded):
             local.append(i)
@@ -204,11 +209,9 @@ def _row_sharded_map(
     my_replica, my_shard = int(where[0, 0]), int(where[0, 1])
     shards = layout.ranks.shape[1]
     costs = [float(cost(t.shape)) if cost else float(t.numel()) for t in tensors]
-    loads = [0.0] * world
     results: list[torch.Tensor | None] = [None] * len(tensors)
 
-    for bucket in _buckets(tensors, bucket_bytes):
-        owners = assign_owners([costs[i] for i in bucket], world, loads)
+    for bucket, owners in _rounds(tensors, assign_owners(costs, world), world, bucket_bytes):
         dtype = tensors[bucket[0]].dtype
         # -- send row shards to owners (only the owner's replica sends) ------------
         send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
@@ -274,19 +277,36 @@ def _row_sharded_map(
     return [r for r in results if r is not None]
 
 
-def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive groups of one dtype whose full sizes add up to at most ``bucket_bytes``."""
-    buckets: list[list[int]] = []
-    size = 0
-    for i, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        if buckets and t.dtype == tensors[buckets[-1][0]].dtype and size + nbytes <= bucket_bytes:
-            buckets[-1].append(i)
-            size += nbytes
-        else:
-            buckets.append([i])
-            size = nbytes
-    return buckets
+def _rounds(
+    tensors: Sequence[torch.Tensor], owners: Sequence[int], world: int, bucket_bytes: int
+) -> list[tuple[list[int], list[int]]]:
+    """Split the work into exchange rounds in which every owner has work.
+
+    Each round holds, for every rank, up to ``bucket_bytes`` of the full
+    tensors it owns (at least one while it has any left), all of one dtype,
+    so all ranks compute in every round and an owner's extra memory stays
+    near ``bucket_bytes``. Returns ``(indices, their owners)`` per round.
+    """
+    rounds: list[tuple[list[int], list[int]]] = []
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        queues = [
+            [i for i, t in enumerate(tensors) if t.dtype == dtype and owners[i] == r]
+            for r in range(world)
+        ]
+        while any(queues):
+            indices: list[int] = []
+            for queue in queues:
+                size = 0
+                while queue and (size == 0 or size + _nbytes(tensors[queue[0]]) <= bucket_bytes):
+                    size += _nbytes(tensors[queue[0]])
+                    indices.append(queue.pop(0))
+            indices.sort()
+            rounds.append((indices, [owners[i] for i in indices]))
+    return rounds
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _exchange(
@@ -318,10 +338,8 @@ def replicated_full_matrix_map(
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     costs = [float(cost(t.shape)) if cost else float(t.numel()) for t in tensors]
-    loads = [0.0] * world
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    for bucket in _buckets(tensors, bucket_bytes):
-        owners = assign_owners([costs[i] for i in bucket], world, loads)
+    for bucket, owners in _rounds(tensors, assign_owners(costs, world), world, bucket_bytes):
         mine = [i for i, o in zip(bucket, owners, strict=True) if o == me]
         computed = dict(zip(mine, fn([tensors[i] for i in mine]), strict=True)) if mine else {}
         dtype, device = tensors[bucket[0]].dtype, tensors[bucket[0]].device

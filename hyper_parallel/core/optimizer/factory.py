@@ -234,7 +234,7 @@ def get_hyper_optimizer(
         backend = resolve_backend(sharding, every)  # a mismatch fails here, before any build
         for spec in specs.values():
             accepted = accepted_keywords(spec.entry.obj, skip=1)
-            if accepted is None or "sharding" in accepted:
+            if accepted is not None and "sharding" in accepted:
                 spec.kwargs.setdefault("sharding", backend.name)
     built: dict[str, Optimizer] = {}
     for spec in specs.values():
