@@ -4,7 +4,8 @@ Measured in one run, on the same transformer-shaped matrices (``--layers``
 blocks of q/k/v/o ``d x d``, gate/up ``h x d`` and down ``d x h``, h = 8d/3):
 
 * ours: :class:`~hyper_parallel_builtins.muon.Muon` on FSDP-style ``Shard(0)``
-  DTensors, Newton-Schulz on one owner rank per matrix (the ``fsdp`` backend);
+  DTensors, Newton-Schulz on one owner rank per matrix (the ``fsdp`` backend),
+  with each transport (``all_to_all``, the default, and ``gather_broadcast``);
 * (a) one process: the same Muon on whole tensors, one thread;
 * (b) gather-all: every rank gathers every full matrix and orthogonalizes all
   of them (what a Muon unaware of sharding does), then keeps its rows;
@@ -113,6 +114,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     dist.barrier()
     ours = Muon(sharded(), lr=0.02, sharding="fsdp")
     results["ours"] = _time(ours.step, args.repeats)
+    os.environ["HYPER_PARALLEL_TRANSPORT"] = "gather_broadcast"
+    ours_gather = Muon(sharded(), lr=0.02, sharding="fsdp")
+    results["ours_gather_broadcast"] = _time(ours_gather.step, args.repeats)
+    del os.environ["HYPER_PARALLEL_TRANSPORT"]
+    ours_bf16 = Muon(sharded(), lr=0.02, sharding="fsdp", ns_dtype=torch.bfloat16)
+    results["ours_bf16"] = _time(ours_bf16.step, args.repeats)
     with plugin_registered(BenchmarkPlugin, name="benchmark_gather_all"):
         gather = Muon(sharded(), lr=0.02, sharding="gather_all")
         results["gather_all"] = _time(gather.step, args.repeats)
@@ -157,11 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':<44}{'seconds':>10}{'vs (a)':>9}")
     labels = {
         "ours": "hyper_parallel Muon, owner per matrix",
+        "ours_gather_broadcast": "  the same, gather + broadcast transport",
+        "ours_bf16": "  the same, bf16 Newton-Schulz (torch's dtype)",
         "one_process": "(a) one process, whole tensors",
         "gather_all": "(b) gather every matrix on every rank",
         "torch_muon": "(c) torch.optim.Muon on the DTensors",
     }
-    for key in ("ours", "one_process", "gather_all", "torch_muon"):
+    for key in ("ours", "ours_gather_broadcast", "ours_bf16", "one_process", "gather_all", "torch_muon"):
         if key in results:
             print(f"{labels[key]:<44}{results[key]:>10.4f}{results[key] / base:>8.2f}x")
     print(f"reproduce: {command.strip()}")

@@ -126,12 +126,24 @@ def _check_against_one_process(mesh: Any, rows: slice, label: str) -> None:
 def _fsdp_and_hsdp(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    import os
+
     per_rank = 4 // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    _check_against_one_process(init_device_mesh("cpu", (world_size,)), rows, f"fsdp x{world_size}")
+    flat = init_device_mesh("cpu", (world_size,))
+    _check_against_one_process(flat, rows, f"fsdp x{world_size}")
     if world_size == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         _check_against_one_process(mesh, rows, "hsdp 2x2")
+    # the other transport gives the same numbers
+    os.environ["HYPER_PARALLEL_TRANSPORT"] = "gather_broadcast"
+    try:
+        if world_size == 4:
+            _check_against_one_process(mesh, rows, "hsdp 2x2, gather_broadcast")
+        else:
+            _check_against_one_process(flat, rows, f"fsdp x{world_size}, gather_broadcast")
+    finally:
+        del os.environ["HYPER_PARALLEL_TRANSPORT"]
 
 
 @contextmanager

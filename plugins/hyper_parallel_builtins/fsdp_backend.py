@@ -8,6 +8,7 @@ balanced over every rank of the mesh, replicas included.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -20,7 +21,11 @@ from hyper_parallel.core.distributed import FullTensorsFn, ShardingBackend
 from hyper_parallel.core.distributed.full_matrix import sharded_full_matrix_map
 from hyper_parallel.core.plugin import RegisterFn
 
-__all__ = ["FSDPBackend", "HSDPBackend"]
+__all__ = ["TRANSPORTS", "TRANSPORT_ENV", "FSDPBackend", "HSDPBackend"]
+
+#: Environment variable choosing how shards travel to their owner for full-matrix work.
+TRANSPORT_ENV = "HYPER_PARALLEL_TRANSPORT"
+TRANSPORTS = ("all_to_all", "gather_broadcast")
 
 
 class FSDPBackend(ShardingBackend):
@@ -28,6 +33,13 @@ class FSDPBackend(ShardingBackend):
 
     name: ClassVar[str] = "fsdp"
     mesh_ndim: ClassVar[int] = 1
+
+    def __init__(self) -> None:
+        self.transport = os.environ.get(TRANSPORT_ENV, "all_to_all")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"{TRANSPORT_ENV}={self.transport!r} is not a transport; use one of {', '.join(TRANSPORTS)}."
+            )
 
     def accepts(self, params: Sequence[torch.Tensor]) -> bool:
         return bool(params) and all(self._fits(p) for p in params)
@@ -57,7 +69,9 @@ class FSDPBackend(ShardingBackend):
         batch_dims: Sequence[int] | None = None,
         cost: Callable[[torch.Size], float] | None = None,
     ) -> list[torch.Tensor]:
-        return sharded_full_matrix_map(fn, tensors, batch_dims=batch_dims, cost=cost)
+        return sharded_full_matrix_map(
+            fn, tensors, batch_dims=batch_dims, cost=cost, transport=self.transport
+        )
 
 
 class HSDPBackend(FSDPBackend):

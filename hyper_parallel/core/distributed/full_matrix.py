@@ -116,6 +116,7 @@ def sharded_full_matrix_map(
     batch_dims: Sequence[int] | None = None,
     cost: Callable[[torch.Size], float] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    transport: str = "all_to_all",
 ) -> list[torch.Tensor]:
     """Apply ``fn`` to the full tensor behind each (sharded) tensor.
 
@@ -129,7 +130,12 @@ def sharded_full_matrix_map(
             a tensor sharded only on those dims is mapped locally.
         cost: Work of one tensor from its full shape, for the owner
             assignment (default: element count).
-        bucket_bytes: Full-tensor bytes exchanged per bucket.
+        bucket_bytes: Full-tensor bytes each owner takes per exchange round.
+        transport: How shards travel for row-sharded tensors:
+            ``"all_to_all"`` (two ``all_to_all_single`` per round, the
+            default, faster in ``benchmarks/distributed_muon.py``) or
+            ``"gather_broadcast"`` (per tensor, a ``gather`` to the owner in
+            its shard group and a ``broadcast`` of the result).
 
     Returns:
         One result per input, laid out like it (same placements, local shape).
@@ -185,9 +191,15 @@ def sharded_full_matrix_map(
         for i, r in zip(fallback, gathered, strict=True):
             out[i] = r
     for indices in rowwise.values():
-        mapped = _row_sharded_map(
-            fn, [cast(DTensor, tensors[i]) for i in indices], cost, bucket_bytes
-        )
+        group = [cast(DTensor, tensors[i]) for i in indices]
+        if transport == "all_to_all":
+            mapped = _row_sharded_map(fn, group, cost, bucket_bytes)
+        elif transport == "gather_broadcast":
+            mapped = _row_sharded_map_gather(fn, group, cost, bucket_bytes)
+        else:
+            raise ValueError(
+                f"Unknown transport {transport!r}: use 'all_to_all' or 'gather_broadcast'."
+            )
         for i, r in zip(indices, mapped, strict=True):
             out[i] = r
     return [r for r in out if r is not None]
@@ -266,6 +278,57 @@ def _row_sharded_map(
             n = math.prod(local_shape)
             piece = returned[owner][offsets[owner] : offsets[owner] + n].view(local_shape)
             offsets[owner] += n
+            results[i] = DTensor.from_local(
+                piece,
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
+    return [r for r in results if r is not None]
+
+
+def _row_sharded_map_gather(
+    fn: FullTensorsFn,
+    tensors: list[DTensor],
+    cost: Callable[[torch.Size], float] | None,
+    bucket_bytes: int,
+) -> list[torch.Tensor]:
+    """The owner-based path with a ``gather`` per tensor and a ``broadcast`` of each result."""
+    layout = row_shard_layout(tensors[0])
+    assert layout is not None
+    mesh = tensors[0].device_mesh
+    shard_group = mesh.get_group(layout.shard_dim)
+    me = dist.get_rank()
+    my_replica = int((layout.ranks == me).nonzero()[0, 0])
+    shards = layout.ranks.shape[1]
+    costs = [float(cost(t.shape)) if cost else float(t.numel()) for t in tensors]
+    owners = assign_owners(costs, dist.get_world_size())
+    results: list[torch.Tensor | None] = [None] * len(tensors)
+    for bucket, bucket_owners in _rounds(tensors, owners, dist.get_world_size(), bucket_bytes):
+        fulls: dict[int, torch.Tensor] = {}
+        for i, owner in zip(bucket, bucket_owners, strict=True):
+            t = tensors[i]
+            owner_replica = int((layout.ranks == owner).nonzero()[0, 0])
+            if owner_replica != my_replica:
+                continue  # the owner's replica holds the same rows
+            rows = _rows(t.shape[0], shards)
+            padded = t.to_local().new_zeros((max(rows), *t.shape[1:]))
+            padded[: t.to_local().shape[0]] = t.to_local()
+            gathered = [torch.empty_like(padded) for _ in range(shards)] if owner == me else None
+            dist.gather(padded, gathered, dst=owner, group=shard_group)
+            if gathered is not None:
+                fulls[i] = torch.cat([g[:n] for g, n in zip(gathered, rows, strict=True)])
+        mine = sorted(fulls)
+        computed = dict(zip(mine, fn([fulls[i] for i in mine]), strict=True)) if mine else {}
+        for i, owner in zip(bucket, bucket_owners, strict=True):
+            t = tensors[i]
+            local = t.to_local()
+            full = computed[i].to(t.dtype).contiguous() if owner == me else local.new_empty(t.shape)
+            dist.broadcast(full, src=owner)
+            start = sum(_rows(t.shape[0], shards)[: int((layout.ranks == me).nonzero()[0, 1])])
+            piece = full[start : start + local.shape[0]].clone()
             results[i] = DTensor.from_local(
                 piece,
                 t.device_mesh,
