@@ -170,7 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         "gather_all": "(b) gather every matrix on every rank",
         "torch_muon": "(c) torch.optim.Muon on the DTensors",
     }
-    for key in ("ours", "ours_gather_broadcast", "ours_bf16", "one_process", "gather_all", "torch_muon"):
+    for key in (
+        "ours",
+        "ours_gather_broadcast",
+        "ours_bf16",
+        "one_process",
+        "gather_all",
+        "torch_muon",
+    ):
         if key in results:
             print(f"{labels[key]:<44}{results[key]:>10.4f}{results[key] / base:>8.2f}x")
     print(f"reproduce: {command.strip()}")

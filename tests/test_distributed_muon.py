@@ -124,9 +124,9 @@ def _check_against_one_process(mesh: Any, rows: slice, label: str) -> None:
 
 
 def _fsdp_and_hsdp(rank: int, world_size: int) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
     import os
+
+    from torch.distributed.device_mesh import init_device_mesh
 
     per_rank = 4 // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
