@@ -79,6 +79,11 @@ class _RowLayout:
     shard_dim: int  # the mesh dim that splits tensor dim 0
     ranks: torch.Tensor  # global ranks, shape (replicas, shards)
 
+    def coordinates(self, rank: int) -> tuple[int, int]:
+        """``(replica, shard)`` of a global rank."""
+        where = (self.ranks == rank).nonzero()
+        return int(where[0, 0]), int(where[0, 1])
+
 
 def row_shard_layout(t: DTensor) -> _RowLayout | None:
     """The layout if ``t`` is row-sharded on one mesh dim and replicated on the others."""
@@ -174,18 +179,7 @@ def sharded_full_matrix_map(
         for i, piece, result in zip(local, pieces, fn(pieces), strict=True):
             t = tensors[i]
             r = result.to(piece.dtype)
-            out[i] = (
-                DTensor.from_local(
-                    r,
-                    t.device_mesh,
-                    t.placements,
-                    run_check=False,
-                    shape=t.shape,
-                    stride=t.stride(),
-                )
-                if isinstance(t, DTensor)
-                else r
-            )
+            out[i] = _shard_like(r, t) if isinstance(t, DTensor) else r
     if fallback:
         gathered = _local_fallback(fn, [cast(DTensor, tensors[i]) for i in fallback])
         for i, r in zip(fallback, gathered, strict=True):
@@ -216,11 +210,9 @@ def _row_sharded_map(
     assert layout is not None
     world = dist.get_world_size()
     me = dist.get_rank()
-    # my coordinates: replica row and shard column in layout.ranks
-    where = (layout.ranks == me).nonzero()
-    my_replica, my_shard = int(where[0, 0]), int(where[0, 1])
+    my_replica, my_shard = layout.coordinates(me)
     shards = layout.ranks.shape[1]
-    costs = [float(cost(t.shape)) if cost else float(t.numel()) for t in tensors]
+    costs = _costs(tensors, cost)
     results: list[torch.Tensor | None] = [None] * len(tensors)
 
     for bucket, owners in _rounds(tensors, assign_owners(costs, world), world, bucket_bytes):
@@ -232,7 +224,7 @@ def _row_sharded_map(
             t = tensors[i]
             rows = _rows(t.shape[0], shards)
             row_numel = math.prod(t.shape[1:])
-            owner_replica = int((layout.ranks == owner).nonzero()[0, 0])
+            owner_replica = layout.coordinates(owner)[0]
             if my_replica == owner_replica:
                 send_parts[owner].append(t.to_local().reshape(-1))
             if owner == me:
@@ -278,14 +270,7 @@ def _row_sharded_map(
             n = math.prod(local_shape)
             piece = returned[owner][offsets[owner] : offsets[owner] + n].view(local_shape)
             offsets[owner] += n
-            results[i] = DTensor.from_local(
-                piece,
-                t.device_mesh,
-                t.placements,
-                run_check=False,
-                shape=t.shape,
-                stride=t.stride(),
-            )
+            results[i] = _shard_like(piece, t)
     return [r for r in results if r is not None]
 
 
@@ -301,16 +286,16 @@ def _row_sharded_map_gather(
     mesh = tensors[0].device_mesh
     shard_group = mesh.get_group(layout.shard_dim)
     me = dist.get_rank()
-    my_replica = int((layout.ranks == me).nonzero()[0, 0])
+    my_replica, my_shard = layout.coordinates(me)
     shards = layout.ranks.shape[1]
-    costs = [float(cost(t.shape)) if cost else float(t.numel()) for t in tensors]
+    costs = _costs(tensors, cost)
     owners = assign_owners(costs, dist.get_world_size())
     results: list[torch.Tensor | None] = [None] * len(tensors)
     for bucket, bucket_owners in _rounds(tensors, owners, dist.get_world_size(), bucket_bytes):
         fulls: dict[int, torch.Tensor] = {}
         for i, owner in zip(bucket, bucket_owners, strict=True):
             t = tensors[i]
-            owner_replica = int((layout.ranks == owner).nonzero()[0, 0])
+            owner_replica = layout.coordinates(owner)[0]
             if owner_replica != my_replica:
                 continue  # the owner's replica holds the same rows
             rows = _rows(t.shape[0], shards)
@@ -327,17 +312,23 @@ def _row_sharded_map_gather(
             local = t.to_local()
             full = computed[i].to(t.dtype).contiguous() if owner == me else local.new_empty(t.shape)
             dist.broadcast(full, src=owner)
-            start = sum(_rows(t.shape[0], shards)[: int((layout.ranks == me).nonzero()[0, 1])])
+            start = sum(_rows(t.shape[0], shards)[:my_shard])
             piece = full[start : start + local.shape[0]].clone()
-            results[i] = DTensor.from_local(
-                piece,
-                t.device_mesh,
-                t.placements,
-                run_check=False,
-                shape=t.shape,
-                stride=t.stride(),
-            )
+            results[i] = _shard_like(piece, t)
     return [r for r in results if r is not None]
+
+
+def _costs(
+    tensors: Sequence[torch.Tensor], cost: Callable[[torch.Size], float] | None
+) -> list[float]:
+    return [float(cost(t.shape)) if cost else float(t.numel()) for t in tensors]
+
+
+def _shard_like(piece: torch.Tensor, t: DTensor) -> DTensor:
+    """``piece`` (this rank's local part) as a DTensor laid out like ``t``."""
+    return DTensor.from_local(
+        piece, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
 
 
 def _rounds(
@@ -400,7 +391,7 @@ def replicated_full_matrix_map(
     tensors = list(tensors)
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
-    costs = [float(cost(t.shape)) if cost else float(t.numel()) for t in tensors]
+    costs = _costs(tensors, cost)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for bucket, owners in _rounds(tensors, assign_owners(costs, world), world, bucket_bytes):
         mine = [i for i, o in zip(bucket, owners, strict=True) if o == me]
