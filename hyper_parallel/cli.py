@@ -93,6 +93,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         "optimizer", "compare", "partitioner", "scheduler", "steps", "warmup_steps", "lr", "muon_lr",
         "weight_decay", "batch_size", "seq_len", "dim", "layers", "heads", "tied_embeddings",
         "eval_every", "seed", "data", "tokenizer", "out", "sharding",
+        "checkpoint_dir", "checkpoint_every", "resume",
     )  # fmt: skip
     config = TrainConfig(**{k: getattr(args, k) for k in fields}, progress=not args.no_progress)
     summary = train(config)
@@ -196,6 +197,16 @@ def _add_train_parser(sub: Any) -> None:
         "--sharding",
         help="shard the model with this backend (fsdp, hsdp); run under torchrun, e.g. "
         "torchrun --nproc_per_node 2 -m hyper_parallel train --sharding fsdp",
+    )
+    p.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (one folder per run)")
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, metavar="N",
+        help="also save every N steps (default: only at the end)",
+    )  # fmt: skip
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=_cmd_train)

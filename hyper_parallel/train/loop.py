@@ -18,12 +18,16 @@ from hyper_parallel.core.optimizer import (
     ChainedOptimizer,
     get_hyper_lr_scheduler,
     get_hyper_optimizer,
+    step_if_finite,
 )
 from hyper_parallel.core.plugin import PluginKind, get_registry
 from hyper_parallel.train.data import TokenizedText, batches, load_text_file, synthetic_corpus
 from hyper_parallel.train.model import GPTConfig, TinyGPT
 
 __all__ = ["MUON_ADAMW", "RunResult", "TrainConfig", "TrainError", "steps_to_reach", "train"]
+
+#: A run stops when this many steps in a row have non-finite gradients.
+_MAX_SKIPS_IN_A_ROW = 10
 
 #: The default optimizer: Muon for hidden matrices, AdamW for the rest.
 MUON_ADAMW = "muon+adamw"
@@ -61,6 +65,9 @@ class TrainConfig:
     out: Path = Path("runs/train")
     progress: bool = True
     sharding: str | None = None  # a sharding backend (fsdp, hsdp); run under torchrun
+    checkpoint_dir: Path | None = None  # one sub-directory per run (optimizer name)
+    checkpoint_every: int = 0  # 0: only at the end
+    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
 
     def validate(self) -> None:
         """Raise :class:`TrainError` for the first unusable option."""
@@ -90,6 +97,10 @@ class TrainConfig:
                 raise TrainError(
                     f"--{name.replace('_', '-')} must be a positive number, got {value}"
                 )
+        if self.checkpoint_every < 0:
+            raise TrainError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if (self.resume or self.checkpoint_every) and self.checkpoint_dir is None:
+            raise TrainError("--resume and --checkpoint-every need --checkpoint-dir DIR")
         if self.weight_decay < 0:
             raise TrainError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.dim % self.heads:
@@ -129,6 +140,7 @@ class RunResult:
     seconds: float = 0.0
     tokens_per_s: float = 0.0
     interrupted: bool = False
+    skipped: list[int] = field(default_factory=list)  # steps skipped for non-finite gradients
 
     @property
     def final_val_loss(self) -> float | None:
@@ -188,8 +200,12 @@ class _Metrics:
     With no path (ranks other than 0 of a sharded run) it writes nothing.
     """
 
-    def __init__(self, path: Path | None) -> None:
-        self._file: TextIO | None = path.open("w", encoding="utf-8") if path else None
+    def __init__(self, path: Path | None, *, append: bool = False) -> None:
+        self._file: TextIO | None = None
+        if path is not None:
+            self._file = (
+                path.open("a", encoding="utf-8") if append else path.open("w", encoding="utf-8")
+            )
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -323,26 +339,49 @@ def run_one(
         generator=torch.Generator().manual_seed(config.seed + 1),
     )  # fmt: skip
     val_batches = [next(val_iter).to(placement.device) for _ in range(config.eval_batches)]
-    result = RunResult(name=name, steps_done=0)
+    manager = None
+    first = 1
+    if config.checkpoint_dir is not None:
+        from hyper_parallel.checkpoint import CheckpointManager
+
+        manager = CheckpointManager(config.checkpoint_dir / name.replace("+", "_"), keep_last=2)
+        if config.resume:
+            resumed = manager.load_latest(model=model, optimizer=optimizer, scheduler=scheduler)
+            if resumed is not None:
+                for _ in range(resumed):  # the same batches as an uninterrupted run
+                    next(train_iter)
+                first = resumed + 1
+    result = RunResult(name=name, steps_done=first - 1)
     tokens_per_step = config.batch_size * config.seq_len * placement.world_size
     bar = progress_factory(total=config.steps, desc=name) if progress_factory else None
     start = time.perf_counter()
     window_start, window_steps = start, 0
     try:
-        result.val_losses.append((0, _evaluate(model, val_batches)))
-        metrics.write({"run": name, "step": 0, "val_loss": result.val_losses[-1][1]})
-        for step in range(1, config.steps + 1):
+        result.val_losses.append((first - 1, _evaluate(model, val_batches)))
+        metrics.write({"run": name, "step": first - 1, "val_loss": result.val_losses[-1][1]})
+        skipped_in_a_row = 0
+        for step in range(first, config.steps + 1):
             lrs = _lrs(optimizer)
             loss = model.loss(next(train_iter).to(placement.device))
             loss.backward()
-            optimizer.step()
+            stepped = step_if_finite(optimizer)
             optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
             value = placement.mean(float(loss.detach()))
-            if not math.isfinite(value):
-                raise TrainError(
-                    f"{name}: the loss became {value} at step {step}; lower the learning rate"
-                )
+            if not stepped:
+                # params, optimizer state and schedule stay as they were: as if without this batch
+                skipped_in_a_row += 1
+                result.skipped.append(step)
+                metrics.write({"run": name, "step": step, "skipped": "non-finite gradient"})
+                if skipped_in_a_row >= _MAX_SKIPS_IN_A_ROW:
+                    raise TrainError(
+                        f"{name}: {skipped_in_a_row} steps in a row had non-finite gradients "
+                        f"(loss {value}) up to step {step}; lower the learning rate"
+                    )
+                if bar is not None:
+                    bar.update(1)
+                continue
+            skipped_in_a_row = 0
+            scheduler.step()
             result.train_losses.append((step, value))
             result.steps_done = step
             window_steps += 1
@@ -371,6 +410,11 @@ def run_one(
             if step % config.eval_every == 0 or step == config.steps:
                 result.val_losses.append((step, _evaluate(model, val_batches)))
                 metrics.write({"run": name, "step": step, "val_loss": result.val_losses[-1][1]})
+            if manager is not None and (
+                step == config.steps
+                or (config.checkpoint_every and step % config.checkpoint_every == 0)
+            ):
+                manager.save(step, model=model, optimizer=optimizer, scheduler=scheduler)
             if bar is not None:
                 bar.update(1)
     except KeyboardInterrupt:
@@ -398,6 +442,7 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
             "seconds": round(r.seconds, 2),
             "tokens_per_s": round(r.tokens_per_s),
             "interrupted": r.interrupted,
+            "skipped_steps": r.skipped,
         }
         for r in results
     }
@@ -467,7 +512,7 @@ def train(config: TrainConfig, *, echo: Callable[[str], None] = print) -> dict[s
     if main:
         config.out.mkdir(parents=True, exist_ok=True)
     progress = _progress_factory() if config.progress and main else None
-    metrics = _Metrics(config.out / "metrics.jsonl" if main else None)
+    metrics = _Metrics(config.out / "metrics.jsonl" if main else None, append=config.resume)
     results: list[RunResult] = []
     try:
         for name in [config.optimizer, *([config.compare] if config.compare else [])]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.core.optimizer.chained import ChainedOptimizer
 from hyper_parallel.core.optimizer.factory import get_hyper_optimizer
+from hyper_parallel.core.optimizer.nonfinite import grads_are_finite, step_if_finite
 from hyper_parallel.core.optimizer.scheduler import HyperLRScheduler, get_hyper_lr_scheduler
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "Muon",
     "get_hyper_lr_scheduler",
     "get_hyper_optimizer",
+    "grads_are_finite",
+    "step_if_finite",
 ]
 
 if TYPE_CHECKING:
