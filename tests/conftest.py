@@ -10,6 +10,21 @@ from torch import nn
 
 from hyper_parallel import get_registry
 
+#: ``hyper-parallel train`` arguments for a model small enough for a test.
+TINY_TRAIN_ARGS = [
+    "--dim",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--no-progress",
+]
+
 
 @pytest.fixture
 def fresh_registry() -> Iterator[None]:

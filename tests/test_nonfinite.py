@@ -9,24 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import TINY_TRAIN_ARGS as TINY
 from conftest import TinyLM, lm_loss
 from hyper_parallel.cli import main
 from hyper_parallel.core.optimizer import get_hyper_optimizer, grads_are_finite, step_if_finite
 from hyper_parallel.train import TinyGPT
-
-TINY = [
-    "--dim",
-    "32",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "8",
-    "--no-progress",
-]
 
 
 def _batches() -> list[torch.Tensor]:

@@ -10,23 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import TINY_TRAIN_ARGS as TINY
 from hyper_parallel.cli import main
 from hyper_parallel.train import TinyGPT, steps_to_reach, synthetic_corpus
 from hyper_parallel.train.data import SYNTHETIC_ALPHABET
-
-TINY = [
-    "--dim",
-    "32",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "8",
-    "--no-progress",
-]
 
 
 def read_metrics(out: Path) -> list[dict]:
