@@ -7,17 +7,28 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import TINY_TRAIN_ARGS
 
 TESTS = Path(__file__).parent
 
 
-def _torchrun(*args: str, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+def _torchrun(
+    *args: str, nproc: int = 2, restarts: int = 0, timeout: int = 240
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
     }
+    # A single-node job; the launcher's own shared store is what a restart reuses.
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+         "--max-restarts", str(restarts), *args],
         capture_output=True, text=True, env=env, timeout=timeout,
     )  # fmt: skip
 
@@ -46,3 +57,56 @@ def test_train_under_torchrun_with_fsdp(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["sharding"] == "fsdp"
     assert result.stdout.count("muon+adamw: 20 steps") == 1  # only rank 0 reports
+
+
+def _checkpoint_values(path: Path) -> dict[str, Any]:
+    """Every value a DCP checkpoint holds, by dotted key (``model.embed.weight``, ...)."""
+    single_file = path.parent / f"{path.name}.pt"
+    dcp_to_torch_save(path, single_file)
+    flat: dict[str, Any] = {}
+
+    def visit(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                visit(f"{prefix}.{key}" if prefix else str(key), item)
+        else:
+            flat[prefix] = value
+
+    visit("", torch.load(single_file, weights_only=True))
+    return flat
+
+
+def test_a_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    common = ["train", "--sharding", "fsdp", "--steps", "12", "--eval-every", "4",
+              "--checkpoint-every", "4", *TINY_TRAIN_ARGS]  # fmt: skip
+    straight = _torchrun("-m", "hyper_parallel", *common, "--out", str(tmp_path / "straight"),
+                         "--checkpoint-dir", str(tmp_path / "straight" / "ckpt"))  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-4000:]
+    # rank 1 dies hard at its 9th step; torchrun restarts both ranks, which resume from step 8
+    faulted = _torchrun(
+        str(TESTS / "scripts" / "train_with_fault.py"), "9", "--", *common,
+        "--out", str(tmp_path / "faulted"), "--checkpoint-dir", str(tmp_path / "faulted" / "ckpt"),
+        "--resume", restarts=1,
+    )  # fmt: skip
+    assert faulted.returncode == 0, faulted.stderr[-4000:]
+    assert "exitcode: 17" in faulted.stderr  # the first attempt really lost a rank
+    records = [
+        json.loads(r) for r in (tmp_path / "faulted" / "metrics.jsonl").read_text().splitlines()
+    ]
+    evaluated_at = [r["step"] for r in records if "val_loss" in r]
+    assert evaluated_at == [0, 4, 8, 8, 12]  # the restart began at the step-8 checkpoint
+
+    final = "ckpt/muon_adamw/step_00000012"
+    want = _checkpoint_values(tmp_path / "straight" / final)
+    got = _checkpoint_values(tmp_path / "faulted" / final)
+    assert sorted(got) == sorted(want)
+    assert any(key.startswith("model.") for key in want)
+    assert any(key.startswith("optim.") and "momentum_buffer" in key for key in want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+    meta = [json.loads((tmp_path / run / final / "hyper_parallel.json").read_text())
+            for run in ("straight", "faulted")]  # fmt: skip
+    assert meta[0] == meta[1]

@@ -3,7 +3,8 @@
 Usage: torchrun --max-restarts 1 ... train_with_fault.py KILL_AT_STEP -- <train arguments>
 On the first attempt (TORCHELASTIC_RESTART_COUNT == 0) rank 1 exits hard at
 its KILL_AT_STEP-th training step; torchrun restarts every rank, and
-``--resume`` continues from the last checkpoint.
+``--resume`` continues from the last checkpoint. Used by
+``tests/test_torchrun.py``.
 """
 
 import os

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
@@ -125,7 +126,44 @@ def _init_process_group_from_env(device_type: str) -> None:
         # NCCL/HCCL communicators bind to the current device: select it before init.
         local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
         getattr(torch, device_type).set_device(local_rank)
-    dist.init_process_group(backend=BACKEND_FOR_DEVICE[device_type])
+    store = _restart_scoped_agent_store()
+    if store is None:
+        dist.init_process_group(backend=BACKEND_FOR_DEVICE[device_type])
+    else:
+        dist.init_process_group(
+            backend=BACKEND_FOR_DEVICE[device_type],
+            store=store,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+
+
+def _restart_scoped_agent_store() -> Store | None:
+    """torchrun's shared store, with keys scoped to this restart; ``None`` where not needed.
+
+    torchrun's agent hosts one TCPStore for the whole job and hands it to every
+    restart of the workers (``TORCHELASTIC_USE_AGENT_STORE=True``). The process
+    group's rendezvous keys from a failed attempt are still in it, so after
+    ``--max-restarts`` brings the workers back, gloo reads the dead ranks'
+    addresses and ``init_process_group`` hangs until its timeout. Prefixing the
+    keys with the restart count gives every attempt its own.
+
+    Only on a single node: each node's agent counts its own restarts, so across
+    nodes the counts can differ. There, torch's opt-out
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt a fresh store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None
+    agent_store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"hyper_parallel/attempt_{attempt}", agent_store)
 
 
 def init_device_mesh(
