@@ -14,7 +14,10 @@ blocks of q/k/v/o ``d x d``, gate/up ``h x d`` and down ``d x h``, h = 8d/3):
 
 Prints each figure, the ratio to (a), and the command that reproduces it::
 
-    python benchmarks/distributed_muon.py --dim 256 --layers 4
+    python -m benchmarks.distributed_muon --dim 256 --layers 4
+
+It also records the Muon state (momentum buffers) held per rank against one
+process. ``python -m benchmarks`` runs it as its ``distributed`` case.
 """
 
 from __future__ import annotations
@@ -34,10 +37,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.suite import transformer_shapes
 
-def _shapes(dim: int, layers: int) -> list[tuple[int, int]]:
-    hidden = -(-8 * dim // 3 // 32) * 32
-    return [(dim, dim)] * 4 * layers + [(hidden, dim), (hidden, dim), (dim, hidden)] * layers
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this process holds (the local shard of a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for state in opt.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                total += local.numel() * local.element_size()
+    return total
 
 
 def _time(step: Callable[[], None], repeats: int, *, sync: bool = True) -> float:
@@ -93,8 +106,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(0)
-    full = [torch.randn(*s, generator=gen) * 0.02 for s in _shapes(args.dim, args.layers)]
-    grads = [torch.randn(*s, generator=gen) for s in _shapes(args.dim, args.layers)]
+    full = [
+        torch.randn(*s, generator=gen) * 0.02 for s in transformer_shapes(args.dim, args.layers)
+    ]
+    grads = [torch.randn(*s, generator=gen) for s in transformer_shapes(args.dim, args.layers)]
 
     def sharded() -> list[torch.nn.Parameter]:
         params = []
@@ -105,15 +120,18 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         return params
 
     results: dict[str, float] = {}
+    state_bytes: dict[str, int] = {}
     if rank == 0:
         plain = [torch.nn.Parameter(w.clone()) for w in full]
         for p, g in zip(plain, grads, strict=True):
             p.grad = g.clone()
         one = Muon(plain, lr=0.02)
         results["one_process"] = _time(one.step, args.repeats, sync=False)
+        state_bytes["one_process"] = _state_bytes(one)
     dist.barrier()
     ours = Muon(sharded(), lr=0.02, sharding="fsdp")
     results["ours"] = _time(ours.step, args.repeats)
+    state_bytes["ours"] = _state_bytes(ours)
     os.environ["HYPER_PARALLEL_TRANSPORT"] = "gather_broadcast"
     ours_gather = Muon(sharded(), lr=0.02, sharding="fsdp")
     results["ours_gather_broadcast"] = _time(ours_gather.step, args.repeats)
@@ -127,7 +145,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         peer = torch.optim.Muon(sharded(), lr=0.02)
         results["torch_muon"] = _time(peer.step, max(1, args.repeats // 2))
     if rank == 0:
-        Path(out).write_text(json.dumps(results))
+        Path(out).write_text(json.dumps({"seconds": results, "state_bytes": state_bytes}))
     dist.destroy_process_group()
 
 
@@ -151,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     mp.spawn(
         _worker, args=(args.world_size, port, args, str(out)), nprocs=args.world_size, join=True
     )
-    results = json.loads(out.read_text())
+    recorded = json.loads(out.read_text())
     out.unlink()
+    results, state_bytes = recorded["seconds"], recorded["state_bytes"]
     base = results["one_process"]
-    command = "python benchmarks/distributed_muon.py " + " ".join(
+    command = "python -m benchmarks.distributed_muon " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
-    n = len(_shapes(args.dim, args.layers))
+    n = len(transformer_shapes(args.dim, args.layers))
     print(
         f"Muon step, {n} matrices ({args.layers} layers, d={args.dim}), {args.world_size} ranks, gloo, 1 thread each"
     )
@@ -180,10 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if key in results:
             print(f"{labels[key]:<44}{results[key]:>10.4f}{results[key] / base:>8.2f}x")
+    print(
+        f"Muon state per rank: {state_bytes['ours'] / 2**20:.1f} MiB "
+        f"(one process: {state_bytes['one_process'] / 2**20:.1f} MiB)"
+    )
     print(f"reproduce: {command.strip()}")
     if args.json:
         args.json.write_text(
-            json.dumps({"args": vars(args) | {"json": None}, "seconds": results}, indent=2)
+            json.dumps(
+                {
+                    "args": vars(args) | {"json": None},
+                    "seconds": results,
+                    "state_bytes_per_rank": state_bytes,
+                },
+                indent=2,
+            )
         )
     return 0
 

@@ -5,12 +5,11 @@ Plugin authors need only :data:`hookimpl` (see
 optimizers with :func:`hyper_parallel.core.optimizer.get_hyper_optimizer`.
 """
 
-from hyper_parallel.core.distributed import (
-    clip_grad_norm_,
-    fully_shard,
-    init_device_mesh,
-    set_gradient_scaling_factor,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from hyper_parallel.core.errors import (
     DuplicatePluginError,
     HyperParallelError,
@@ -25,6 +24,14 @@ from hyper_parallel.core.plugin import (
     register_plugin,
     unregister_plugin,
 )
+
+if TYPE_CHECKING:
+    from hyper_parallel.core.distributed import (
+        clip_grad_norm_,
+        fully_shard,
+        init_device_mesh,
+        set_gradient_scaling_factor,
+    )
 
 __version__ = "0.1.0"
 
@@ -45,3 +52,14 @@ __all__ = [
     "set_gradient_scaling_factor",
     "unregister_plugin",
 ]
+
+_DISTRIBUTED = ("clip_grad_norm_", "fully_shard", "init_device_mesh", "set_gradient_scaling_factor")
+
+
+def __getattr__(name: str) -> Any:
+    # The distributed API loads on first use, keeping `import hyper_parallel` light.
+    if name in _DISTRIBUTED:
+        value = getattr(importlib.import_module("hyper_parallel.core.distributed"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

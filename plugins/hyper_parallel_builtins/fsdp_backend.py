@@ -14,11 +14,10 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core.distributed import FullTensorsFn, ShardingBackend
-from hyper_parallel.core.distributed.full_matrix import sharded_full_matrix_map
+from hyper_parallel.core.distributed._dtensor import is_dtensor
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = ["TRANSPORTS", "TRANSPORT_ENV", "FSDPBackend", "HSDPBackend"]
@@ -45,7 +44,12 @@ class FSDPBackend(ShardingBackend):
         return bool(params) and all(self._fits(p) for p in params)
 
     def _fits(self, p: torch.Tensor) -> bool:
-        if not isinstance(p, DTensor) or p.device_mesh.ndim != self.mesh_ndim:
+        if not is_dtensor(p):
+            return False
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        assert isinstance(p, DTensor)
+        if p.device_mesh.ndim != self.mesh_ndim:
             return False
         *replicated, sharded = p.placements
         return sharded == Shard(0) and all(isinstance(r, Replicate) for r in replicated)
@@ -69,6 +73,8 @@ class FSDPBackend(ShardingBackend):
         batch_dims: Sequence[int] | None = None,
         cost: Callable[[torch.Size], float] | None = None,
     ) -> list[torch.Tensor]:
+        from hyper_parallel.core.distributed.full_matrix import sharded_full_matrix_map
+
         return sharded_full_matrix_map(
             fn, tensors, batch_dims=batch_dims, cost=cost, transport=self.transport
         )

@@ -16,14 +16,10 @@ from torch import nn
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core.distributed import FullTensorsFn, ShardingBackend
-from hyper_parallel.core.distributed.full_matrix import replicated_full_matrix_map
+from hyper_parallel.core.distributed._dtensor import is_dtensor
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = ["DDPBackend", "LocalBackend"]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
 
 
 class LocalBackend(ShardingBackend):
@@ -32,7 +28,7 @@ class LocalBackend(ShardingBackend):
     name: ClassVar[str] = "local"
 
     def accepts(self, params: Sequence[torch.Tensor]) -> bool:
-        return not any(_is_dtensor(p) for p in params)
+        return not any(is_dtensor(p) for p in params)
 
     def shard_model(self, module: nn.Module, **options: Any) -> nn.Module:
         if options:
@@ -74,6 +70,8 @@ class DDPBackend(LocalBackend):
     ) -> list[torch.Tensor]:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return fn(list(tensors))
+        from hyper_parallel.core.distributed.full_matrix import replicated_full_matrix_map
+
         return replicated_full_matrix_map(fn, tensors, cost=cost)
 
 

@@ -16,12 +16,12 @@ from typing import Any, ClassVar, cast, overload
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import ParamsT
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.distributed import SHARDING_ENV, ShardingBackend, resolve_backend
+from hyper_parallel.core.distributed._dtensor import is_dtensor, local_tensor
 from hyper_parallel.core.plugin import RegisterFn
 from hyper_parallel_builtins.newton_schulz import (
     KELLER_COEFFICIENTS,
@@ -151,15 +151,13 @@ def _check_param(param: Tensor) -> None:
         )
 
 
-def _local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (a view: in-place ops reach the DTensor), else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _like(local: Tensor, template: Tensor) -> Tensor:
     """``local`` as a DTensor laid out like ``template`` (``local`` itself for plain tensors)."""
-    if not isinstance(template, DTensor):
+    if not is_dtensor(template):
         return local
+    from torch.distributed.tensor import DTensor
+
+    assert isinstance(template, DTensor)
     return DTensor.from_local(
         local, template.device_mesh, template.placements, run_check=False,
         shape=template.shape, stride=template.stride(),
@@ -324,7 +322,7 @@ class Muon(torch.optim.Optimizer):
             The orthogonalized updates, laid out like ``updates``.
         """
         named = group["sharding"] or os.environ.get(SHARDING_ENV)
-        if not named and not any(isinstance(u, DTensor) for u in updates):
+        if not named and not any(is_dtensor(u) for u in updates):
             return self._orthogonalize_full(updates, group)
         backend = self._backend(group)
         view = group["matrix_view"]
@@ -414,7 +412,7 @@ class Muon(torch.optim.Optimizer):
         # Element-wise work runs on the local shards: for DTensors that skips the
         # per-op dispatch cost, and the math is the same shard by shard.
         local_params, local_grads, local_buffers = (
-            [_local(t) for t in ts] for ts in (params, grads, buffers)
+            [local_tensor(t) for t in ts] for ts in (params, grads, buffers)
         )
 
         updates: list[Tensor] = list(buffers)
@@ -436,7 +434,7 @@ class Muon(torch.optim.Optimizer):
                 torch._foreach_mul_([local_params[i] for i in indices], decay)
         for p, local, o in zip(params, local_params, orthogonal, strict=True):
             _, rows, cols = matrix_shape(p.shape, group["matrix_view"])
-            local.add_(_local(o), alpha=-self._adjusted_lr(lr, rows, cols, group))
+            local.add_(local_tensor(o), alpha=-self._adjusted_lr(lr, rows, cols, group))
 
     @overload
     def step(self, closure: None = None) -> None: ...

@@ -1,14 +1,30 @@
 """Distributed building blocks: device meshes, FSDP2 sharding, clipping, and the full-matrix map."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from hyper_parallel.core.distributed.backend import (
     SHARDING_ENV,
     FullTensorsFn,
     ShardingBackend,
     resolve_backend,
 )
-from hyper_parallel.core.distributed.clip_grad import clip_grad_norm_
-from hyper_parallel.core.distributed.fsdp import fully_shard, set_gradient_scaling_factor
-from hyper_parallel.core.distributed.mesh import init_device_mesh
+
+if TYPE_CHECKING:
+    from hyper_parallel.core.distributed.clip_grad import clip_grad_norm_
+    from hyper_parallel.core.distributed.fsdp import fully_shard, set_gradient_scaling_factor
+    from hyper_parallel.core.distributed.mesh import init_device_mesh
+
+# Imported on first use: they need torch.distributed.tensor and FSDP, which a
+# process that only lists plugins or trains on one device never loads.
+LAZY: dict[str, str] = {
+    "clip_grad_norm_": "hyper_parallel.core.distributed.clip_grad",
+    "fully_shard": "hyper_parallel.core.distributed.fsdp",
+    "set_gradient_scaling_factor": "hyper_parallel.core.distributed.fsdp",
+    "init_device_mesh": "hyper_parallel.core.distributed.mesh",
+}
 
 __all__ = [
     "SHARDING_ENV",
@@ -20,3 +36,11 @@ __all__ = [
     "resolve_backend",
     "set_gradient_scaling_factor",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in LAZY:
+        value = getattr(importlib.import_module(LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from hyper_parallel.core.distributed._dtensor import is_dtensor
 from hyper_parallel.core.plugin import PluginKind, get_registry
 
 __all__ = ["SHARDING_ENV", "FullTensorsFn", "ShardingBackend", "resolve_backend"]
@@ -109,8 +109,8 @@ def resolve_backend(name: str | None, params: Sequence[torch.Tensor]) -> Shardin
 def _describe(params: Sequence[torch.Tensor]) -> str:
     layouts = sorted(
         {
-            f"DTensor{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh"
-            if isinstance(p, DTensor)
+            f"DTensor{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh"  # type: ignore[attr-defined]
+            if is_dtensor(p)
             else "plain tensors"
             for p in params
         }

@@ -1,0 +1,1 @@
+"""hyper_parallel's benchmarks: ``python -m benchmarks`` (see :mod:`benchmarks.suite`)."""

@@ -1,0 +1,529 @@
+"""The benchmark suite: every case against its peers, measured in one run.
+
+Run from the repository root::
+
+    python -m benchmarks                    # every case (about 10 minutes on 2 cores)
+    python -m benchmarks --quick            # smaller shapes, fewer repeats
+    python -m benchmarks --cases adamw,ns   # some cases
+    python -m benchmarks --install-peers    # pip-install the peer libraries first
+
+Prints one table: each case, our figure, each peer's figure from the same
+run, the ratio, the target where the project sets one, and the command that
+reproduces the row. Peers that are not installed or do not run are listed
+with the reason. ``--json`` writes the rows, ``--plot`` a chart of the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.peers import install_peers, muon_peers, peer_versions
+
+__all__ = ["CASES", "Row", "main", "transformer_shapes"]
+
+ROOT = Path(__file__).resolve().parent.parent
+LR = 0.02
+
+
+@dataclass
+class Row:
+    """One comparison: our figure against one peer's, from the same run."""
+
+    case: str
+    ours_label: str
+    ours: float | None
+    peer_label: str
+    peer: float | None
+    unit: str  # "s" (lower is better) or "GFLOP/s" (higher is better)
+    target: str = ""  # e.g. "<= 1.0": the ratio ours / peer the project aims at
+    note: str = ""
+    command: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ours is None or self.peer is None or self.peer == 0:
+            return None
+        return self.ours / self.peer
+
+    @property
+    def met(self) -> bool | None:
+        if not self.target or self.ratio is None:
+            return None
+        op, bound = self.target.split()
+        return self.ratio <= float(bound) if op == "<=" else self.ratio >= float(bound)
+
+
+@dataclass
+class Settings:
+    dims: tuple[int, ...] = (512, 1024)
+    layers: int = 8
+    repeats: int = 5
+    device: str = "cpu"
+    peers: bool = True
+    dist_dim: int = 512
+    dist_layers: int = 4
+    quick_flag: str = ""
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def transformer_shapes(dim: int, layers: int) -> list[tuple[int, int]]:
+    """The matrices of ``layers`` pre-norm blocks: q, k, v, o and a SwiGLU MLP.
+
+    The MLP width is ``8 d / 3`` rounded up to a multiple of 32 (1376 at d=512).
+    """
+    hidden = -(-8 * dim // 3 // 32) * 32
+    return [(dim, dim)] * 4 * layers + [(hidden, dim), (hidden, dim), (dim, hidden)] * layers
+
+
+def _params(
+    shapes: Sequence[tuple[int, ...]], device: str, seed: int = 0
+) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device))
+        p.grad = torch.randn(shape, generator=gen).to(device)
+        params.append(p)
+    return params
+
+
+def _stepper(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> Callable[[], None]:
+    """``opt.step`` with the gradients put back first: some optimizers drop them after a step."""
+    grads = [p.grad for p in params]
+
+    def step() -> None:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+
+    return step
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _interleaved_medians(
+    steps: dict[str, Callable[[], object]], repeats: int, device: str
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds of each step, timed in turns so that load changes hit all alike.
+
+    Returns the medians and each step's first (warm-up) call time.
+    """
+    first: dict[str, float] = {}
+    for name, step in steps.items():
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        first[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    for repeat in range(repeats):
+        # forward, then backward: whichever runs after another finds its caches warm
+        for name in order if repeat % 2 == 0 else reversed(order):
+            step = steps[name]
+            _sync(device)
+            start = time.perf_counter()
+            step()
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}, first
+
+
+def _command(cases: str, settings: Settings, *extra: str) -> str:
+    parts = ["python -m benchmarks", f"--cases {cases}", *extra]
+    if settings.quick_flag:
+        parts.append(settings.quick_flag)
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------- cases
+
+
+def case_muon(settings: Settings) -> Iterator[Row]:
+    """Muon step on transformer-shaped matrices: ours against every peer's Muon."""
+    from hyper_parallel_builtins.muon import Muon
+
+    device = settings.device
+    peers = muon_peers(LR) if settings.peers else []
+    for dim in settings.dims:
+        shapes = transformer_shapes(dim, settings.layers)
+        what = f"Muon step, {len(shapes)} matrices ({settings.layers} layers, d={dim}), {device}"
+        default_dtype = "fp32" if device == "cpu" else "bf16"
+        factories: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+            "ours": lambda params: Muon(params, lr=LR),
+            "ours_bf16": lambda params: Muon(params, lr=LR, ns_dtype=torch.bfloat16),
+        }
+        factories.update({peer.name: peer.make for peer in peers if peer.make is not None})
+        steps: dict[str, Callable[[], object]] = {}
+        failed: dict[str, str] = {}
+        for name, make in factories.items():
+            params = _params(shapes, device)  # each its own params: the same values
+            try:
+                steps[name] = _stepper(make(params), params)
+            except Exception as exc:  # reported in the table
+                failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
+        medians, first = _interleaved_medians(steps, settings.repeats, device)
+        command = _command("muon", settings, f"--dims {dim}")
+        for peer in peers or [None]:
+            label = peer.name if peer else "(peers not measured)"
+            value = medians.get(label)
+            note = ""
+            if peer is None:
+                note = "--no-peers"
+            elif peer.make is None:
+                note = peer.reason
+            elif label in failed:
+                note = failed[label]
+            elif first[label] > 5 * value:  # type: ignore[operator]
+                note = f"first step {first[label]:.1f} s (compilation), not counted"
+            target = "<= 0.1" if label == "torch.optim.Muon" else ""
+            yield Row(f"{what}, defaults", f"ours ({default_dtype} NS)", medians["ours"],
+                      f"{label} ({peer.ns_dtype if peer else '-'})", value, "s",
+                      target, note, command)  # fmt: skip
+        for peer in peers or [None]:
+            label = peer.name if peer else "(peers not measured)"
+            yield Row(f"{what}, equal NS dtype (bf16)", "ours (bf16 NS)", medians["ours_bf16"],
+                      f"{label} (bf16)", medians.get(label), "s",
+                      "<= 1.0", "" if label in medians else "see above", command)  # fmt: skip
+        del steps
+        gc.collect()
+
+
+def _ns_flops(batch: int, rows: int, cols: int, steps: int) -> float:
+    small, large = min(rows, cols), max(rows, cols)
+    # per step: X X^T (2 s^2 l), A A (2 s^3), B X (2 s^2 l)
+    return float(steps * batch * (4 * small * small * large + 2 * small**3))
+
+
+def case_ns(settings: Settings) -> Iterator[Row]:
+    """Newton-Schulz FLOP/s against torch.mm's on the same shapes and dtype."""
+    from hyper_parallel_builtins.newton_schulz import KELLER_COEFFICIENTS, newton_schulz_batched
+
+    device = settings.device
+    steps = 5
+    coefficients = [KELLER_COEFFICIENTS] * steps
+    dim = settings.dims[0]
+    shapes = transformer_shapes(dim, settings.layers)
+    buckets: dict[tuple[int, int], int] = {}
+    for shape in shapes:
+        buckets[shape] = buckets.get(shape, 0) + 1
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(0)
+        stacks = {s: [torch.randn(s, generator=gen).to(device, dtype) for _ in range(n)]
+                  for s, n in buckets.items()}  # fmt: skip
+        flops = sum(_ns_flops(n, *s, steps) for s, n in buckets.items())
+
+        def ours(stacks: dict[tuple[int, int], list[torch.Tensor]] = stacks) -> None:
+            for matrices in stacks.values():
+                newton_schulz_batched(matrices, coefficients, dtype=matrices[0].dtype)
+
+        # The limit: the same matmuls (X X^T, A A, B X per matrix and step) as bare torch.mm.
+        operands = []
+        for (rows, cols), n in buckets.items():
+            small, large = min(rows, cols), max(rows, cols)
+            x = torch.randn(small, large, generator=gen).to(device, dtype)
+            a = torch.randn(small, small, generator=gen).to(device, dtype)
+            operands.append((x, a, n))
+
+        def mm_only(operands: list[tuple[torch.Tensor, torch.Tensor, int]] = operands) -> None:
+            for x, a, n in operands:
+                for _ in range(n * steps):
+                    torch.mm(x, x.T)
+                    torch.mm(a, a)
+                    torch.mm(a, x)
+
+        medians, _ = _interleaved_medians({"ours": ours, "mm": mm_only}, settings.repeats, device)
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        yield Row(
+            f"Newton-Schulz FLOP/s, d={dim} x {settings.layers} layers' matrices, {name}, {device}",
+            "ours (newton_schulz_batched)", flops / medians["ours"] / 1e9,
+            "torch.mm on the same shapes", flops / medians["mm"] / 1e9, "GFLOP/s",
+            ">= 0.85", "", _command("ns", settings),
+        )  # fmt: skip
+
+
+def _model_tensors(dim: int, layers: int) -> list[tuple[int, ...]]:
+    """Every param of the blocks: the matrices plus two norm weights per block."""
+    return [*transformer_shapes(dim, layers), *[(dim,)] * 2 * layers]
+
+
+def case_adamw(settings: Settings) -> Iterator[Row]:
+    """AdamW step: ours against torch.optim.AdamW fused and foreach."""
+    from hyper_parallel.core.optimizer import AdamW
+
+    dim = settings.dims[0]
+    shapes = _model_tensors(dim, settings.layers)
+    device = settings.device
+    params = _params(shapes, device)
+    ours = AdamW(params, lr=1e-3)
+    fused = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    foreach = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    medians, _ = _interleaved_medians(
+        {"ours": ours.step, "fused": fused.step, "foreach": foreach.step},
+        settings.repeats * 4, device,
+    )  # fmt: skip
+    what = f"AdamW step, {len(shapes)} tensors (d={dim} x {settings.layers} layers), {device}"
+    command = _command("adamw", settings)
+    yield Row(what, "ours (AdamW)", medians["ours"], "torch AdamW fused", medians["fused"], "s",
+              "<= 1.05", "", command)  # fmt: skip
+    yield Row(what, "ours (AdamW)", medians["ours"], "torch AdamW foreach", medians["foreach"],
+              "s", "", "", command)  # fmt: skip
+
+
+def case_chained(settings: Settings) -> Iterator[Row]:
+    """ChainedOptimizer step against stepping its sub-optimizers directly."""
+    from hyper_parallel.core.optimizer import AdamW, ChainedOptimizer
+
+    dim = settings.dims[0]
+    device = settings.device
+    params = _params(_model_tensors(dim, settings.layers), device)
+    matrices = [p for p in params if p.ndim == 2]
+    vectors = [p for p in params if p.ndim < 2]
+    # AdamW on both sides keeps the step short, so the wrapper's own cost shows.
+    direct = [AdamW(matrices, lr=1e-3), AdamW(vectors, lr=1e-3)]
+    chained = ChainedOptimizer({"matrices": AdamW(matrices, lr=1e-3),
+                                "vectors": AdamW(vectors, lr=1e-3)})  # fmt: skip
+
+    def step_directly() -> None:
+        for opt in direct:
+            opt.step()
+
+    medians, _ = _interleaved_medians(
+        {"chained": chained.step, "direct": step_directly}, settings.repeats * 4, device
+    )
+    yield Row(
+        f"ChainedOptimizer of 2 AdamWs (d={dim} x {settings.layers} layers), {device}",
+        "ChainedOptimizer.step", medians["chained"], "the two steps called directly",
+        medians["direct"], "s", "<= 1.03",
+        f"overhead {1e6 * (medians['chained'] - medians['direct']):+.0f} us per step",
+        _command("chained", settings),
+    )  # fmt: skip
+
+
+def case_distributed(settings: Settings) -> Iterator[Row]:
+    """Distributed Muon at 2 ranks (benchmarks/distributed_muon.py) and state per rank."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "dist.json"
+        args = ["--dim", str(settings.dist_dim), "--layers", str(settings.dist_layers),
+                "--repeats", str(max(1, settings.repeats // 2 + 1)), "--json", str(out)]  # fmt: skip
+        command = "python -m benchmarks.distributed_muon " + " ".join(args[:-2])
+        result = subprocess.run([sys.executable, "-m", "benchmarks.distributed_muon", *args],
+                                cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+        if result.returncode != 0:
+            yield Row("Distributed Muon, 2 ranks", "ours", None, "-", None, "s",
+                      note=result.stderr.strip().splitlines()[-1][:120], command=command)  # fmt: skip
+            return
+        data = json.loads(out.read_text())
+    s, state = data["seconds"], data["state_bytes_per_rank"]
+    what = (f"Distributed Muon step, 2 ranks x 1 thread, gloo, "
+            f"d={settings.dist_dim} x {settings.dist_layers} layers")  # fmt: skip
+    yield Row(what, "ours (fsdp, owner per matrix)", s["ours"], "one process, 1 thread",
+              s["one_process"], "s", "<= 0.6", "", command)  # fmt: skip
+    yield Row(what, "ours (fsdp, owner per matrix)", s["ours"],
+              "every rank gathers every matrix", s["gather_all"], "s", "<= 1.0", "", command)  # fmt: skip
+    if "torch_muon" in s:
+        yield Row(what, "ours, bf16 NS", s["ours_bf16"], "torch.optim.Muon on the DTensors (bf16)",
+                  s["torch_muon"], "s", "<= 1.0", "", command)  # fmt: skip
+    yield Row("Muon state per rank (MiB), same run", "ours, per rank", state["ours"] / 2**20,
+              "one process", state["one_process"] / 2**20, "MiB", "<= 0.5",
+              "momentum buffers only, local shards", command)  # fmt: skip
+
+
+_IMPORT_TORCH = "import torch"
+_IMPORT_OURS = (
+    "import hyper_parallel; r = hyper_parallel.get_registry(); "
+    "assert len([e.name for e in r.entries()]) > 10"
+)
+
+
+def _python_seconds(code: str) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return time.perf_counter() - start
+
+
+def case_import(settings: Settings) -> Iterator[Row]:
+    """``import hyper_parallel`` and listing every plugin, against ``import torch``."""
+    runs = max(5, settings.repeats)
+    ours, torch_only = [], []
+    _python_seconds(_IMPORT_OURS)  # warm the file cache for both
+    for _ in range(runs):
+        torch_only.append(_python_seconds(_IMPORT_TORCH))
+        ours.append(_python_seconds(_IMPORT_OURS))
+    yield Row(
+        "New process: import and list every plugin", "import hyper_parallel + list plugins",
+        statistics.median(ours), "import torch", statistics.median(torch_only), "s", "<= 1.15",
+        f"median of {runs} processes each", _command("import", settings),
+    )  # fmt: skip
+
+
+CASES: dict[str, Callable[[Settings], Iterator[Row]]] = {
+    "muon": case_muon,
+    "ns": case_ns,
+    "adamw": case_adamw,
+    "chained": case_chained,
+    "distributed": case_distributed,
+    "import": case_import,
+}
+
+
+# ---------------------------------------------------------------- output
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "s":
+        return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.3f} s"
+    return f"{value:,.1f} {unit}"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """The rows as a Markdown table (it also reads well in a terminal)."""
+    lines = ["| case | ours | figure | peer | figure | ours / peer | target | note |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        ratio = "-" if r.ratio is None else f"{r.ratio:.2f}x"
+        target = r.target and f"{r.target} ({'met' if r.met else 'not met'})"
+        if r.target and r.met is None:
+            target = f"{r.target} (no figure)"
+        lines.append(f"| {r.case} | {r.ours_label} | {_fmt(r.ours, r.unit)} | {r.peer_label} | "
+                     f"{_fmt(r.peer, r.unit)} | {ratio} | {target} | {r.note} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, str]:
+    """What the figures were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "torch threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        **{f"peer {k}": v for k, v in peer_versions().items()},
+    }
+
+
+def plot(rows: Sequence[Row], path: Path) -> None:
+    """A horizontal bar per row with a ratio: ours / peer, with the target marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.ratio is not None]
+    fig, ax = plt.subplots(figsize=(10, 0.38 * len(shown) + 1.2))
+    labels = [f"{r.case.split(',')[0]}: vs {r.peer_label}"[:70] for r in shown]
+    colors = ["tab:green" if r.met in (True, None) else "tab:red" for r in shown]
+    ax.barh(range(len(shown)), [math.log2(r.ratio) for r in shown], color=colors)  # type: ignore[arg-type]
+    for i, r in enumerate(shown):
+        if r.target:
+            bound = float(r.target.split()[1])
+            ax.plot([math.log2(bound)] * 2, [i - 0.4, i + 0.4], color="black", lw=1.5)
+    ax.axvline(0, color="grey", lw=0.8)
+    ax.set_yticks(range(len(shown)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("log2(ours / peer): left is less time (s) or fewer FLOP/s; black tick: target")
+    ax.set_title("hyper_parallel against its peers, one run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated, from {', '.join(CASES)} (default: all)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true",
+                        help="d=256 x 4 layers, fewer repeats: minutes, not tens of minutes")  # fmt: skip
+    parser.add_argument("--dims", help="comma-separated model widths (default 512,1024)")
+    parser.add_argument("--layers", type=int, help="blocks per model (default 8)")
+    parser.add_argument("--repeats", type=int, help="timed steps per figure (default 5)")
+    parser.add_argument("--device", default="auto",
+                        help="cpu, cuda, or auto: cuda where present, else cpu")  # fmt: skip
+    parser.add_argument("--no-peers", action="store_true", help="measure ours alone")
+    parser.add_argument("--install-peers", action="store_true",
+                        help="pip-install the peers into .bench-peers/ first (--no-deps)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="write the rows and the machine here")
+    parser.add_argument("--plot", type=Path, help="write a PNG chart of the ratios here")
+    args = parser.parse_args(argv)
+
+    names = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    if args.install_peers and install_peers() != 0:
+        print("installing the peers failed; they are listed with the reason", file=sys.stderr)
+    settings = Settings()
+    if args.quick:
+        settings = Settings(dims=(256,), layers=4, repeats=3, dist_dim=256, dist_layers=2,
+                            quick_flag="--quick")  # fmt: skip
+    if args.dims:
+        settings.dims = tuple(int(d) for d in args.dims.split(","))
+    if args.layers:
+        settings.layers = args.layers
+    if args.repeats:
+        settings.repeats = args.repeats
+    settings.peers = not args.no_peers
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    settings.device = device
+
+    info = machine()
+    print("Machine: " + "; ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    rows: list[Row] = []
+    for name in names:
+        print(f"== {name}", flush=True)
+        for row in CASES[name](settings):
+            rows.append(row)
+            ratio = "-" if row.ratio is None else f"{row.ratio:.2f}x"
+            print(f"   {row.ours_label}: {_fmt(row.ours, row.unit)} | {row.peer_label}: "
+                  f"{_fmt(row.peer, row.unit)} | {ratio} {row.note}", flush=True)  # fmt: skip
+    print()
+    print(format_table(rows))
+    print()
+    print("Reproduce a row:")
+    for command in dict.fromkeys(r.command for r in rows if r.command):
+        print(f"  {command}")
+    if args.json:
+        args.json.write_text(json.dumps(
+            {"machine": info, "rows": [asdict(r) | {"ratio": r.ratio, "met": r.met} for r in rows]},
+            indent=2,
+        ))  # fmt: skip
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
