@@ -504,3 +504,23 @@ def test_registry_finds_muon_as_a_matrix_only_optimizer() -> None:
     entry = get_registry().get("optimizer", "muon")
     assert entry.obj is Muon
     assert Muon.matrix_only is True
+
+
+def test_large_matrices_iterate_one_by_one_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import hyper_parallel_builtins.newton_schulz as ns
+
+    gen = torch.Generator().manual_seed(3)
+    # a tall stack (transposed to 6 x 9) and a wide one, float64 so the paths compare exactly
+    matrices = [torch.randn(3, 9, 6, generator=gen, dtype=torch.float64),
+                torch.randn(6, 9, generator=gen, dtype=torch.float64)]  # fmt: skip
+    coefficients = ns.resolve_coefficients("polar_express", 5)
+    batched = [ns.newton_schulz_batched([m], coefficients)[0] for m in matrices]
+    monkeypatch.setattr(ns, "PER_MATRIX_FROM", 6)
+    one_by_one = [ns.newton_schulz_batched([m], coefficients)[0] for m in matrices]
+    for b, o in zip(batched, one_by_one, strict=True):
+        torch.testing.assert_close(o, b, rtol=1e-12, atol=1e-12)
+    # and it orthogonalizes: singular values near 1
+    singular = torch.linalg.svdvals(one_by_one[1])
+    assert bool(((singular > 0.6) & (singular < 1.3)).all()), singular

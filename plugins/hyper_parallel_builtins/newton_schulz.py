@@ -28,6 +28,7 @@ __all__ = [
     "COEFFICIENT_SETS",
     "KELLER_COEFFICIENTS",
     "MAX_NS_STEPS",
+    "PER_MATRIX_FROM",
     "CoefficientSpec",
     "Coefficients",
     "newton_schulz",
@@ -141,6 +142,13 @@ def resolve_coefficients(spec: CoefficientSpec, ns_steps: int) -> tuple[Coeffici
     return triples + (triples[-1],) * (ns_steps - len(triples))
 
 
+#: From this Gram size on, each matrix is iterated with 2-D matmuls rather
+#: than one batched matmul: every GEMM is then large enough to keep all cores
+#: busy, and on CPU the 2-D kernels were faster than ``bmm`` at d=1024
+#: (``python -m benchmarks --cases muon``).
+PER_MATRIX_FROM = 1024
+
+
 def _iterate_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Tensor:
     """Run the iteration on ``x`` of shape (batch, rows, cols), ``rows <= cols``.
 
@@ -148,11 +156,24 @@ def _iterate_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Te
     """
     # The Gram matrix is rows x rows, so rows <= cols keeps it the small one.
     x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps))
+    if x.shape[-2] >= PER_MATRIX_FROM:
+        for matrix in x:
+            matrix.copy_(_iterate_one(matrix, coefficients))
+        return x
     for a, b, c in coefficients:
         gram = torch.bmm(x, x.mT)
         # A cubic step (c == 0) skips the (X X^T)^2 matmul.
         poly = gram.mul_(b) if c == 0.0 else torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a)
+    return x
+
+
+def _iterate_one(x: Tensor, coefficients: Sequence[Coefficients]) -> Tensor:
+    """:func:`_iterate_` on one normalised ``rows x cols`` matrix, with 2-D matmuls."""
+    for a, b, c in coefficients:
+        gram = torch.mm(x, x.mT)
+        poly = gram.mul_(b) if c == 0.0 else torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
     return x
 
 

@@ -1,0 +1,65 @@
+"""The benchmark entry point runs and prints its table (figures are never asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.suite import Row, format_table, transformer_shapes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_entry_point_prints_the_table_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    result = _bench("--cases", "muon,ns,adamw,chained", "--dims", "32", "--layers", "1",
+                    "--repeats", "1", "--no-peers", "--json", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| case | ours | figure | peer | figure | ours / peer | target | note |" in result.stdout
+    assert "python -m benchmarks --cases adamw" in result.stdout  # each row's command
+    rows = json.loads(out.read_text())["rows"]
+    cases = {r["case"].split(",")[0] for r in rows}
+    assert cases == {
+        "Muon step", "Newton-Schulz FLOP/s", "AdamW step", "ChainedOptimizer of 2 AdamWs (d=32 x 1 layers)"
+    }  # fmt: skip
+    measured = [r for r in rows if r["peer"] is not None]
+    assert measured and all(r["ours"] > 0 and r["ratio"] > 0 for r in measured)
+    # without peers, the Muon rows say so instead of showing a figure
+    muon = [r for r in rows if r["case"].startswith("Muon step")]
+    assert muon and all(r["peer"] is None and r["ratio"] is None for r in muon)
+
+
+def test_unknown_case_is_an_error_naming_the_cases() -> None:
+    result = _bench("--cases", "muon,speed")
+    assert result.returncode == 2
+    assert "unknown case(s) speed; choose from muon, ns, adamw, chained" in result.stderr
+
+
+def test_rows_judge_their_targets() -> None:
+    faster = Row("c", "ours", 0.5, "peer", 1.0, "s", "<= 1.0")
+    slower = Row("c", "ours", 2.0, "peer", 1.0, "s", "<= 1.0")
+    efficient = Row("c", "ours", 90.0, "mm", 100.0, "GFLOP/s", ">= 0.85")
+    missing = Row("c", "ours", 1.0, "peer", None, "s", "<= 1.0", note="not installed")
+    assert (faster.met, slower.met, efficient.met, missing.met) == (True, False, True, None)
+    table = format_table([faster, slower, missing])
+    assert "| 0.50x | <= 1.0 (met) |" in table
+    assert "| 2.00x | <= 1.0 (not met) |" in table
+    assert "| - | <= 1.0 (no figure) | not installed |" in table
+
+
+@pytest.mark.parametrize(("dim", "hidden"), [(512, 1376), (1024, 2752)])
+def test_transformer_shapes_are_attention_and_swiglu(dim: int, hidden: int) -> None:
+    shapes = transformer_shapes(dim, 2)
+    assert shapes.count((dim, dim)) == 8
+    assert shapes.count((hidden, dim)) == 4 and shapes.count((dim, hidden)) == 2
