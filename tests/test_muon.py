@@ -506,21 +506,49 @@ def test_registry_finds_muon_as_a_matrix_only_optimizer() -> None:
     assert Muon.matrix_only is True
 
 
+@pytest.mark.parametrize(
+    ("block_rows", "spec", "steps"),
+    [(2, "polar_express", 5), (3, "keller", 4), (4, "cubic", 3), (100, "keller", 5)],
+)
 def test_large_matrices_iterate_one_by_one_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch, block_rows: int, spec: str, steps: int
+) -> None:
+    """The per-matrix path, its symmetric block products and odd/even step counts agree."""
+    import hyper_parallel_builtins.newton_schulz as ns
+
+    gen = torch.Generator().manual_seed(3)
+    # a tall stack (transposed to 7 x 9) and a wide one, float64 so the paths compare exactly
+    matrices = [torch.randn(3, 9, 7, generator=gen, dtype=torch.float64),
+                torch.randn(7, 9, generator=gen, dtype=torch.float64)]  # fmt: skip
+    coefficients = ns.resolve_coefficients(spec, steps)
+    batched = [ns.newton_schulz_batched([m], coefficients)[0] for m in matrices]
+    monkeypatch.setattr(ns, "PER_MATRIX_FROM", 6)
+    monkeypatch.setattr(ns, "SYMMETRIC_BLOCK_ROWS", block_rows)  # 7 rows: ragged last block
+    one_by_one = [ns.newton_schulz_batched([m], coefficients)[0] for m in matrices]
+    for b, o in zip(batched, one_by_one, strict=True):
+        torch.testing.assert_close(o, b, rtol=1e-12, atol=1e-12)
+    if spec != "cubic":  # a few cubic steps converge slowly
+        singular = torch.linalg.svdvals(one_by_one[1])
+        assert bool(((singular > 0.6) & (singular < 1.3)).all()), singular
+
+
+def test_symmetric_product_equals_the_full_product_and_is_exactly_symmetric(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import hyper_parallel_builtins.newton_schulz as ns
 
-    gen = torch.Generator().manual_seed(3)
-    # a tall stack (transposed to 6 x 9) and a wide one, float64 so the paths compare exactly
-    matrices = [torch.randn(3, 9, 6, generator=gen, dtype=torch.float64),
-                torch.randn(6, 9, generator=gen, dtype=torch.float64)]  # fmt: skip
-    coefficients = ns.resolve_coefficients("polar_express", 5)
-    batched = [ns.newton_schulz_batched([m], coefficients)[0] for m in matrices]
-    monkeypatch.setattr(ns, "PER_MATRIX_FROM", 6)
-    one_by_one = [ns.newton_schulz_batched([m], coefficients)[0] for m in matrices]
-    for b, o in zip(batched, one_by_one, strict=True):
-        torch.testing.assert_close(o, b, rtol=1e-12, atol=1e-12)
-    # and it orthogonalizes: singular values near 1
-    singular = torch.linalg.svdvals(one_by_one[1])
-    assert bool(((singular > 0.6) & (singular < 1.3)).all()), singular
+    monkeypatch.setattr(ns, "SYMMETRIC_BLOCK_ROWS", 3)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(8, 5, generator=gen)
+    add_to = torch.randn(8, 8, generator=gen)
+    add_to = add_to + add_to.T
+    out = torch.full((8, 8), float("nan"))
+    ns._symmetric_product(out, x, symmetric=True, add_to=add_to, beta=-0.5, alpha=2.0)
+    torch.testing.assert_close(out, -0.5 * add_to + 2.0 * x @ x.T)
+    # blocks of rows 0-2, 3-5, 6-7: those above the diagonal mirror those below
+    block = torch.arange(8) // 3
+    off_diagonal = block[:, None] != block[None, :]
+    assert torch.equal(out[off_diagonal], out.T[off_diagonal])
+    gram = torch.full((8, 8), float("nan"))
+    ns._symmetric_product(gram, x, symmetric=True)
+    torch.testing.assert_close(gram, x @ x.T)
