@@ -21,6 +21,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,7 @@ import torch
 
 from benchmarks.peers import install_peers, muon_peers, peer_versions
 
-__all__ = ["CASES", "Row", "main", "transformer_shapes"]
+__all__ = ["CASES", "Row", "main", "plot_label", "transformer_shapes"]
 
 ROOT = Path(__file__).resolve().parent.parent
 LR = 0.02
@@ -433,6 +434,16 @@ def machine() -> dict[str, str]:
     }
 
 
+_LABEL_TAGS = ("defaults", "equal NS dtype", "fp32", "bf16", "2 ranks")
+
+
+def plot_label(row: Row) -> str:
+    """A short label for ``row`` that still tells rows apart: size, dtype, both sides."""
+    tags = re.findall(r"d=\d+", row.case)[:1] + [t for t in _LABEL_TAGS if t in row.case]
+    head = " ".join([row.case.split(",")[0], *tags])
+    return f"{head}: {row.ours_label} vs {row.peer_label}"
+
+
 def plot(rows: Sequence[Row], path: Path) -> None:
     """A horizontal bar per row with a ratio: ours / peer, with the target marked."""
     import matplotlib
@@ -441,8 +452,8 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if r.ratio is not None]
-    fig, ax = plt.subplots(figsize=(10, 0.38 * len(shown) + 1.2))
-    labels = [f"{r.case.split(',')[0]}: vs {r.peer_label}"[:70] for r in shown]
+    fig, ax = plt.subplots(figsize=(12, 0.38 * len(shown) + 1.2))
+    labels = [plot_label(r) for r in shown]
     colors = ["tab:green" if r.met in (True, None) else "tab:red" for r in shown]
     ax.barh(range(len(shown)), [math.log2(r.ratio) for r in shown], color=colors)  # type: ignore[arg-type]
     for i, r in enumerate(shown):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.suite import Row, format_table, transformer_shapes
+from benchmarks.suite import Row, format_table, plot_label, transformer_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,3 +63,16 @@ def test_transformer_shapes_are_attention_and_swiglu(dim: int, hidden: int) -> N
     shapes = transformer_shapes(dim, 2)
     assert shapes.count((dim, dim)) == 8
     assert shapes.count((hidden, dim)) == 4 and shapes.count((dim, hidden)) == 2
+
+
+def test_plot_labels_tell_sizes_and_dtypes_apart() -> None:
+    def label(case: str) -> str:
+        return plot_label(Row(case, "ours (bf16 NS)", 1.0, "timm (bf16)", 1.0, "s"))
+
+    at_512 = label("Muon step, 56 matrices (8 layers, d=512), cpu, equal NS dtype (bf16)")
+    at_1024 = label("Muon step, 56 matrices (8 layers, d=1024), cpu, defaults")
+    assert at_512 == "Muon step d=512 equal NS dtype bf16: ours (bf16 NS) vs timm (bf16)"
+    assert at_1024 == "Muon step d=1024 defaults: ours (bf16 NS) vs timm (bf16)"
+    assert label("New process: import and list every plugin").startswith(
+        "New process: import and list every plugin: ours"
+    )

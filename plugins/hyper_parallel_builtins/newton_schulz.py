@@ -145,10 +145,11 @@ def resolve_coefficients(spec: CoefficientSpec, ns_steps: int) -> tuple[Coeffici
 
 
 #: From this Gram size on, each matrix is iterated with 2-D matmuls rather
-#: than one batched matmul: every GEMM is then large enough to keep all cores
-#: busy, and on CPU the 2-D kernels were faster than ``bmm`` at d=1024
-#: (``python -m benchmarks --cases muon``).
-PER_MATRIX_FROM = 1024
+#: than one batched matmul, which on CPU lets the symmetric products below
+#: skip part of the work. Measured on CPU (bf16 and fp32, 4-8 matrices per
+#: shape): at Gram size 512 the per-matrix path took up to 1.3x the batched
+#: time, at 640, 768 and 1024 mostly 0.72-0.92x of it.
+PER_MATRIX_FROM = 640
 
 #: Rows per block when a symmetric product is built from its lower block
 #: triangle (see :func:`_symmetric_product`). 256 was fastest on CPU at Gram
