@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python -m benchmarks                    # every case (about 10 minutes on 2 cores)
+    python -m benchmarks                    # every case (about 15 minutes on 2 cores)
     python -m benchmarks --quick            # smaller shapes, fewer repeats
     python -m benchmarks --cases adamw,ns   # some cases
     python -m benchmarks --install-peers    # pip-install the peer libraries first
@@ -461,7 +461,8 @@ _LABEL_TAGS = ("defaults", "equal NS dtype", "fp32", "bf16", "2 ranks")
 def plot_label(row: Row) -> str:
     """A short label for ``row`` that still tells rows apart: size, dtype, both sides."""
     tags = re.findall(r"d=\d+", row.case)[:1] + [t for t in _LABEL_TAGS if t in row.case]
-    head = " ".join([row.case.split(",")[0], *tags])
+    name = re.sub(r"\s*\([^)]*\)", "", row.case.split(",")[0])
+    head = " ".join([name, *tags])
     return f"{head}: {row.ours_label} vs {row.peer_label}"
 
 
@@ -473,9 +474,10 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if r.ratio is not None]
-    fig, ax = plt.subplots(figsize=(12, 0.38 * len(shown) + 1.2))
+    fig, ax = plt.subplots(figsize=(13, 0.38 * len(shown) + 1.5))
     labels = [plot_label(r) for r in shown]
-    colors = ["tab:green" if r.met in (True, None) else "tab:red" for r in shown]
+    labels = [label if len(label) <= 95 else label[:92] + "..." for label in labels]
+    colors = [{True: "tab:green", False: "tab:red", None: "tab:gray"}[r.met] for r in shown]
     ax.barh(range(len(shown)), [math.log2(r.ratio) for r in shown], color=colors)  # type: ignore[arg-type]
     for i, r in enumerate(shown):
         if r.target:
@@ -484,11 +486,26 @@ def plot(rows: Sequence[Row], path: Path) -> None:
     ax.axvline(0, color="grey", lw=0.8)
     ax.set_yticks(range(len(shown)), labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("log2(ours / peer): left is less time (s) or fewer FLOP/s; black tick: target")
+    ax.set_xlabel(
+        "log2(ours / peer): left is less time (s) or fewer FLOP/s; black tick: target\n"
+        "green: target met, red: not met, grey: no target"
+    )
     ax.set_title("hyper_parallel against its peers, one run")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _from_json(path: Path, plot_path: Path | None) -> int:
+    """Print the table of a run saved with ``--json`` (and plot it): no new figures."""
+    saved = json.loads(path.read_text())
+    fields = set(Row.__dataclass_fields__)
+    rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in saved["rows"]]
+    print("Machine: " + "; ".join(f"{k} {v}" for k, v in saved["machine"].items()))
+    print(format_table(rows))
+    if plot_path:
+        plot(rows, plot_path)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -511,7 +528,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="pip-install the peers into .bench-peers/ first (--no-deps)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows and the machine here")
     parser.add_argument("--plot", type=Path, help="write a PNG chart of the ratios here")
+    parser.add_argument("--from-json", type=Path, metavar="JSON",
+                        help="measure nothing: print the table (and --plot) of a --json file")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.from_json:
+        return _from_json(args.from_json, args.plot)
 
     names = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = sorted(set(names) - set(CASES))

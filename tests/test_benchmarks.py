@@ -38,6 +38,11 @@ def test_entry_point_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     # without peers, the Muon rows say so instead of showing a figure
     muon = [r for r in rows if r["case"].startswith("Muon step")]
     assert muon and all(r["peer"] is None and r["ratio"] is None for r in muon)
+    # a saved run prints the same table again without measuring
+    table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    again = _bench("--from-json", str(out))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [line for line in again.stdout.splitlines() if line.startswith("| ")] == table
 
 
 def test_unknown_case_is_an_error_naming_the_cases() -> None:
