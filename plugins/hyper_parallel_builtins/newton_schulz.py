@@ -144,8 +144,8 @@ def resolve_coefficients(spec: CoefficientSpec, ns_steps: int) -> tuple[Coeffici
     return triples + (triples[-1],) * (ns_steps - len(triples))
 
 
-#: From this Gram size on, each matrix is iterated with 2-D matmuls rather
-#: than one batched matmul, which on CPU lets the symmetric products below
+#: From this Gram size on, on CPU, each matrix is iterated with 2-D matmuls
+#: rather than one batched matmul, which lets the symmetric products below
 #: skip part of the work. Measured on CPU (bf16 and fp32, 4-8 matrices per
 #: shape): at Gram size 512 the per-matrix path took up to 1.3x the batched
 #: time, at 640, 768 and 1024 mostly 0.72-0.92x of it.
@@ -207,13 +207,13 @@ def _iterate_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Te
     x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps))
     batch, rows, _ = x.shape
     spare = torch.empty_like(x)
-    if rows >= PER_MATRIX_FROM:
+    # Measured on CPU only: accelerators keep one batched GEMM per product,
+    # a few large kernels rather than many smaller ones.
+    if rows >= PER_MATRIX_FROM and x.device.type == "cpu":
         gram = x.new_empty(rows, rows)
         poly = torch.empty_like(gram)
-        # Measured on CPU only; accelerators keep one GEMM per product.
-        symmetric = x.device.type == "cpu"
         for i in range(batch):
-            _iterate_one(x[i], spare[i], gram, poly, coefficients, symmetric)
+            _iterate_one(x[i], spare[i], gram, poly, coefficients, symmetric=True)
     else:
         gram = x.new_empty(batch, rows, rows)
         poly = torch.empty_like(gram)
@@ -237,6 +237,7 @@ def _iterate_one(
     gram: Tensor,
     poly: Tensor,
     coefficients: Sequence[Coefficients],
+    *,
     symmetric: bool,
 ) -> None:
     """:func:`_iterate_` on one normalised ``rows x cols`` matrix, with 2-D matmuls.
