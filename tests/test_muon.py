@@ -552,3 +552,15 @@ def test_symmetric_product_equals_the_full_product_and_is_exactly_symmetric(
     gram = torch.full((8, 8), float("nan"))
     ns._symmetric_product(gram, x, symmetric=True)
     torch.testing.assert_close(gram, x @ x.T)
+
+
+def test_newton_schulz_refuses_autograd_and_says_how_to_call_it() -> None:
+    import hyper_parallel_builtins.newton_schulz as ns
+
+    coefficients = ns.resolve_coefficients("keller", 5)
+    x = torch.randn(8, 6, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"not differentiable.*torch.no_grad\(\)"):
+        ns.newton_schulz(x, coefficients)
+    with torch.no_grad():
+        under_no_grad = ns.newton_schulz(x, coefficients)
+    torch.testing.assert_close(ns.newton_schulz(x.detach(), coefficients), under_no_grad)

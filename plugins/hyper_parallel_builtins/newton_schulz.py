@@ -286,6 +286,13 @@ def newton_schulz_batched(
     Returns:
         One tensor per input, same shape, in ``dtype``. They are views into
         one result stack.
+
+    Raises:
+        ValueError: matrices of different shapes or devices, or fewer than
+            2 dims.
+        RuntimeError: a matrix requires grad while grad mode is on: the
+            iteration works in place on its buffers and is not
+            differentiable.
     """
     if not matrices:
         return []
@@ -301,6 +308,11 @@ def newton_schulz_batched(
                 "newton_schulz_batched needs matrices of one shape on one device; got "
                 f"{tuple(first.shape[-2:])} on {first.device} and {tuple(m.shape[-2:])} on {m.device}."
             )
+    if torch.is_grad_enabled() and any(m.requires_grad for m in matrices):
+        raise RuntimeError(
+            "Newton-Schulz is not differentiable (it iterates in place on work buffers), but a "
+            "matrix requires grad. Call it under torch.no_grad() or pass matrix.detach()."
+        )
     dtype = first.dtype if dtype is None else dtype
     tall = rows > cols
     stacks = [m.reshape(-1, rows, cols) for m in matrices]
