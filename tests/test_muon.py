@@ -524,7 +524,23 @@ def test_large_matrices_iterate_one_by_one_with_the_same_result(
     batched = [ns.newton_schulz_batched([m], coefficients)[0] for m in matrices]
     monkeypatch.setattr(ns, "PER_MATRIX_FROM", 6)
     monkeypatch.setattr(ns, "SYMMETRIC_BLOCK_ROWS", block_rows)  # 7 rows: ragged last block
+    calls = {"matrices": 0, "stripes": 0}
+    iterate_one, mm = ns._iterate_one, torch.mm
+
+    def counting_iterate_one(*args: Any) -> None:
+        calls["matrices"] += 1
+        iterate_one(*args)
+
+    def counting_mm(a: Tensor, b: Tensor, **kwargs: Any) -> Tensor:
+        calls["stripes"] += a.shape[0] < 7  # a product of a row stripe, not the whole matrix
+        return mm(a, b, **kwargs)
+
+    monkeypatch.setattr(ns, "_iterate_one", counting_iterate_one)
+    monkeypatch.setattr(ns.torch, "mm", counting_mm)
     one_by_one = [ns.newton_schulz_batched([m], coefficients)[0] for m in matrices]
+    monkeypatch.undo()
+    assert calls["matrices"] == 4  # 3 + 1 matrices took the per-matrix path
+    assert (calls["stripes"] > 0) == (block_rows < 7)
     for b, o in zip(batched, one_by_one, strict=True):
         torch.testing.assert_close(o, b, rtol=1e-12, atol=1e-12)
     if spec != "cubic":  # a few cubic steps converge slowly
@@ -543,14 +559,14 @@ def test_symmetric_product_equals_the_full_product_and_is_exactly_symmetric(
     add_to = torch.randn(8, 8, generator=gen)
     add_to = add_to + add_to.T
     out = torch.full((8, 8), float("nan"))
-    ns._symmetric_product(out, x, symmetric=True, add_to=add_to, beta=-0.5, alpha=2.0)
+    ns._symmetric_product(out, x, add_to=add_to, beta=-0.5, alpha=2.0)
     torch.testing.assert_close(out, -0.5 * add_to + 2.0 * x @ x.T)
     # blocks of rows 0-2, 3-5, 6-7: those above the diagonal mirror those below
     block = torch.arange(8) // 3
     off_diagonal = block[:, None] != block[None, :]
     assert torch.equal(out[off_diagonal], out.T[off_diagonal])
     gram = torch.full((8, 8), float("nan"))
-    ns._symmetric_product(gram, x, symmetric=True)
+    ns._symmetric_product(gram, x)
     torch.testing.assert_close(gram, x @ x.T)
 
 

@@ -146,14 +146,16 @@ def resolve_coefficients(spec: CoefficientSpec, ns_steps: int) -> tuple[Coeffici
 
 #: From this Gram size on, on CPU, each matrix is iterated with 2-D matmuls
 #: rather than one batched matmul, which lets the symmetric products below
-#: skip part of the work. Measured on CPU (bf16 and fp32, 4-8 matrices per
-#: shape): at Gram size 512 the per-matrix path took up to 1.3x the batched
-#: time, at 640, 768 and 1024 mostly 0.72-0.92x of it.
+#: skip part of the work. Measured on CPU, Newton-Schulz alone: at Gram
+#: size 512 the per-matrix path took 1.04x the batched time on the d=512
+#: benchmark set in bf16 (up to 1.3x on 8 square matrices in fp32); at 640,
+#: 768 and 1024 mostly 0.72-0.92x of it (bf16 and fp32, 4-6 matrices).
 PER_MATRIX_FROM = 640
 
 #: Rows per block when a symmetric product is built from its lower block
-#: triangle (see :func:`_symmetric_product`). 256 was fastest on CPU at Gram
-#: sizes 1024 and 2048 (0.85x and 0.78x the time of the plain iteration).
+#: triangle (see :func:`_symmetric_product`). On CPU in bf16, one matrix's
+#: Newton-Schulz with blocks of 256 took 0.85x (size 1024) and 0.78x (2048)
+#: the time of one GEMM per product; 128 and 512 did worse.
 SYMMETRIC_BLOCK_ROWS = 256
 
 
@@ -161,23 +163,23 @@ def _symmetric_product(
     out: Tensor,
     x: Tensor,
     *,
-    symmetric: bool,
     add_to: Tensor | None = None,
     beta: float = 0.0,
     alpha: float = 1.0,
 ) -> Tensor:
     """``out = beta * add_to + alpha * x @ x.T`` for a 2-D ``x``, ``add_to`` symmetric.
 
-    The result is symmetric, so with ``symmetric=True`` only its lower block
-    triangle is multiplied out: row stripe ``i`` is ``x[rows_i] @ x[:end_i].T``
-    written straight into ``out``, and each block above the diagonal is the
-    transpose of one below it. With blocks of :data:`SYMMETRIC_BLOCK_ROWS`
-    rows that is ``(k + 1) / 2k`` of the full product's FLOPs for ``k``
-    blocks. Each entry is still one dot product, so the lower triangle
-    equals the full product's.
+    The result is symmetric, so only its lower block triangle is multiplied
+    out: row stripe ``i`` is ``x[rows_i] @ x[:end_i].T`` written straight
+    into ``out``, and each block above the diagonal is the transpose of one
+    below it. With blocks of :data:`SYMMETRIC_BLOCK_ROWS` rows that is
+    ``(k + 1) / 2k`` of the full product's FLOPs for ``k`` blocks. The
+    entries agree with the full product's up to rounding (the BLAS may
+    block a smaller GEMM differently); on the bf16 shapes of the benchmark
+    they were bitwise equal.
     """
     rows = x.shape[0]
-    if not symmetric or rows <= SYMMETRIC_BLOCK_ROWS:
+    if rows <= SYMMETRIC_BLOCK_ROWS:
         if add_to is None:
             return torch.mm(x, x.mT, out=out)
         return torch.addmm(add_to, x, x.mT, beta=beta, alpha=alpha, out=out)
@@ -213,7 +215,7 @@ def _iterate_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Te
         gram = x.new_empty(rows, rows)
         poly = torch.empty_like(gram)
         for i in range(batch):
-            _iterate_one(x[i], spare[i], gram, poly, coefficients, symmetric=True)
+            _iterate_one(x[i], spare[i], gram, poly, coefficients)
     else:
         gram = x.new_empty(batch, rows, rows)
         poly = torch.empty_like(gram)
@@ -237,10 +239,9 @@ def _iterate_one(
     gram: Tensor,
     poly: Tensor,
     coefficients: Sequence[Coefficients],
-    *,
-    symmetric: bool,
 ) -> None:
-    """:func:`_iterate_` on one normalised ``rows x cols`` matrix, with 2-D matmuls.
+    """:func:`_iterate_` on one normalised ``rows x cols`` matrix, with 2-D matmuls
+    and symmetric products (:func:`_symmetric_product`).
 
     The iterates alternate between ``x`` and ``spare``: the result is in
     ``spare`` after an odd number of steps, in ``x`` after an even one.
@@ -248,12 +249,12 @@ def _iterate_one(
     """
     current, nxt = x, spare
     for a, b, c in coefficients:
-        _symmetric_product(gram, current, symmetric=symmetric)
+        _symmetric_product(gram, current)
         if c == 0.0:
             torch.mul(gram, b, out=poly)
         else:
             # gram is symmetric, so gram @ gram == gram @ gram.T
-            _symmetric_product(poly, gram, symmetric=symmetric, add_to=gram, beta=b, alpha=c)
+            _symmetric_product(poly, gram, add_to=gram, beta=b, alpha=c)
         torch.addmm(current, poly, current, beta=a, out=nxt)
         current, nxt = nxt, current
 
