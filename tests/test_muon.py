@@ -548,7 +548,7 @@ def test_large_matrices_iterate_one_by_one_with_the_same_result(
         assert bool(((singular > 0.6) & (singular < 1.3)).all()), singular
 
 
-def test_symmetric_product_equals_the_full_product_and_is_exactly_symmetric(
+def test_symmetric_product_equals_the_full_product_and_mirrors_the_upper_blocks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import hyper_parallel_builtins.newton_schulz as ns
