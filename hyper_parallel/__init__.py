@@ -7,9 +7,9 @@ optimizers with :func:`hyper_parallel.core.optimizer.get_hyper_optimizer`.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from hyper_parallel.core import distributed as _distributed
 from hyper_parallel.core.errors import (
     DuplicatePluginError,
     HyperParallelError,
@@ -53,13 +53,12 @@ __all__ = [
     "unregister_plugin",
 ]
 
-_DISTRIBUTED = ("clip_grad_norm_", "fully_shard", "init_device_mesh", "set_gradient_scaling_factor")
-
 
 def __getattr__(name: str) -> Any:
-    # The distributed API loads on first use, keeping `import hyper_parallel` light.
-    if name in _DISTRIBUTED:
-        value = getattr(importlib.import_module("hyper_parallel.core.distributed"), name)
+    # The distributed API loads on first use (hyper_parallel.core.distributed.LAZY),
+    # keeping `import hyper_parallel` light.
+    if name in _distributed.LAZY:
+        value = getattr(_distributed, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
