@@ -14,10 +14,12 @@ the test with that rank's traceback.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +30,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["run_distributed"]
+
+# How long rank 0 waits for the other ranks to finish before it exits anyway.
+_EXIT_WAIT_S = 60.0
 
 
 def _free_port() -> int:
@@ -49,6 +54,10 @@ def _worker(
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )  # fmt: skip
     torch.set_num_threads(1)
+    # A crash in native code (an abort, a segfault) writes no traceback; this file gets
+    # the Python stack of every thread at that moment instead.
+    fault_log = Path(errors, f"rank{rank}.fault").open("w")
+    faulthandler.enable(file=fault_log, all_threads=True)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
@@ -59,6 +68,19 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # A clean finish. Rank 0 hosts the TCP store every rank's process group was built
+    # on, so it leaves last. Then each rank ends without interpreter finalization: gloo's
+    # native threads can abort a process there (SIGABRT, "terminate called without an
+    # active exception") after its test has passed, which would fail the test with no
+    # Python traceback to show for it.
+    Path(errors, f"rank{rank}.done").touch()
+    if rank == 0:
+        deadline = time.monotonic() + _EXIT_WAIT_S
+        while time.monotonic() < deadline and len(list(Path(errors).glob("rank*.done"))) < world_size:
+            time.sleep(0.01)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable[..., Any], *, world_size: int, args: tuple[Any, ...] = ()) -> None:
@@ -75,6 +97,9 @@ def run_distributed(fn: Callable[..., Any], *, world_size: int, args: tuple[Any,
                 join=True,
             )
         except Exception as exc:
-            reports = sorted(Path(errors).glob("rank*.txt"))
-            detail = "\n".join(f"--- {p.stem}\n{p.read_text()}" for p in reports) or str(exc)
+            reports = [
+                p for p in sorted(Path(errors).glob("rank*.*")) if p.read_text().strip()
+            ]
+            detail = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in reports)
+            detail = f"{exc}\n{detail}" if detail else str(exc)
             raise AssertionError(f"distributed test failed:\n{detail}") from None
