@@ -55,8 +55,9 @@ def _worker(
     )  # fmt: skip
     torch.set_num_threads(1)
     # A crash in native code (an abort, a segfault) writes no traceback; this file gets
-    # the Python stack of every thread at that moment instead.
-    fault_log = Path(errors, f"rank{rank}.fault").open("w")
+    # the Python stack of every thread at that moment instead. It stays open for the
+    # process's whole life, so no context manager.
+    fault_log = Path(errors, f"rank{rank}.fault").open("w")  # noqa: SIM115
     faulthandler.enable(file=fault_log, all_threads=True)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -76,7 +77,9 @@ def _worker(
     Path(errors, f"rank{rank}.done").touch()
     if rank == 0:
         deadline = time.monotonic() + _EXIT_WAIT_S
-        while time.monotonic() < deadline and len(list(Path(errors).glob("rank*.done"))) < world_size:
+        while (
+            time.monotonic() < deadline and len(list(Path(errors).glob("rank*.done"))) < world_size
+        ):
             time.sleep(0.01)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -97,9 +100,7 @@ def run_distributed(fn: Callable[..., Any], *, world_size: int, args: tuple[Any,
                 join=True,
             )
         except Exception as exc:
-            reports = [
-                p for p in sorted(Path(errors).glob("rank*.*")) if p.read_text().strip()
-            ]
+            reports = [p for p in sorted(Path(errors).glob("rank*.*")) if p.read_text().strip()]
             detail = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in reports)
             detail = f"{exc}\n{detail}" if detail else str(exc)
             raise AssertionError(f"distributed test failed:\n{detail}") from None
