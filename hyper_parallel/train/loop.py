@@ -503,11 +503,32 @@ def train(config: TrainConfig, *, echo: Callable[[str], None] = print) -> dict[s
         KeyboardInterrupt: never; Ctrl-C ends the current run early, and what
             was written so far is kept (``summary["runs"][...]["interrupted"]``).
     """
-    from hyper_parallel.train.plot import plot_losses
-
     config.validate()
     data = load_data(config)
-    placement = _placement(config)
+    group_before = _process_group_initialized()
+    try:
+        return _train_placed(config, data, _placement(config), echo)
+    finally:
+        # A process group this call brought up is torn down here, not left to the
+        # interpreter's exit, where gloo's threads can abort a run that has finished.
+        if not group_before and _process_group_initialized():
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _process_group_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _train_placed(
+    config: TrainConfig, data: TokenizedText, placement: _Placement, echo: Callable[[str], None]
+) -> dict[str, Any]:
+    """:func:`train` once the data is loaded and this process's place is set up."""
+    from hyper_parallel.train.plot import plot_losses
+
     main = placement.is_main
     if main:
         config.out.mkdir(parents=True, exist_ok=True)
