@@ -1,4 +1,5 @@
-"""Shared fixtures: a small guide-style transformer and a clean plugin registry."""
+"""Shared fixtures: a small guide-style transformer, a clean plugin registry, torchrun's
+environment for one process."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
+from distributed import free_port
 from torch import nn
 
 from hyper_parallel import get_registry
@@ -34,6 +37,20 @@ def fresh_registry() -> Iterator[None]:
         yield
     finally:
         get_registry().reset()
+
+
+@pytest.fixture
+def torchrun_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """torchrun's environment for a world of one; the process group is torn down after."""
+    assert not dist.is_initialized()
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class RMSNorm(nn.Module):

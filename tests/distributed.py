@@ -29,13 +29,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed"]
+__all__ = ["free_port", "run_distributed"]
 
 # How long rank 0 waits for the other ranks to finish before it exits anyway.
 _EXIT_WAIT_S = 60.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for ``MASTER_PORT``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -95,7 +96,7 @@ def run_distributed(fn: Callable[..., Any], *, world_size: int, args: tuple[Any,
         try:
             mp.spawn(
                 _worker,
-                args=(world_size, _free_port(), fn, args, errors),
+                args=(world_size, free_port(), fn, args, errors),
                 nprocs=world_size,
                 join=True,
             )

@@ -7,7 +7,6 @@ Distributed checks run in one spawn per world size (each spawn costs seconds):
 from __future__ import annotations
 
 import math
-import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -265,26 +264,6 @@ def test_guide_blocks_are_the_guides_own() -> None:
 
 
 # --- one process ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def torchrun_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """torchrun's environment for a world of one; the process group is torn down after."""
-    assert not dist.is_initialized()
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():  # fmt: skip
-        monkeypatch.setenv(name, value)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_one_process_initializes_from_env_and_scales_exactly(torchrun_env: None) -> None:
