@@ -13,7 +13,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 
 from conftest import TinyLM, lm_loss
-from hyper_parallel.core.distributed.full_matrix import assign_owners
+from hyper_parallel.core.distributed.toolkit import assign_owners, exchange_rounds
 from hyper_parallel.core.optimizer import get_hyper_optimizer
 
 STEPS = 5
@@ -41,14 +41,13 @@ def test_owner_assignment_balances_newton_schulz_flops(world_size: int) -> None:
 
 
 def test_exchange_rounds_give_every_owner_work() -> None:
-    from hyper_parallel.core.distributed.full_matrix import _rounds
-
-    tensors = [torch.zeros(4, 4) for _ in range(6)] + [torch.zeros(2, 2, dtype=torch.float64)]
+    nbytes = [64] * 6 + [32]
+    dtypes = [torch.float32] * 6 + [torch.float64]
     owners = [0, 1, 0, 1, 1, 0, 1]
-    rounds = _rounds(tensors, owners, 2, bucket_bytes=4 * 4 * 4)  # one matrix per owner per round
-    assert rounds == [([0, 1], [0, 1]), ([2, 3], [0, 1]), ([4, 5], [1, 0]), ([6], [1])]
-    (whole,) = _rounds(tensors[:6], owners[:6], 2, bucket_bytes=10**9)
-    assert whole == ([0, 1, 2, 3, 4, 5], owners[:6])
+    rounds = exchange_rounds(nbytes, dtypes, owners, 2, bucket_bytes=64)  # one per owner per round
+    assert rounds == [[0, 1], [2, 3], [4, 5], [6]]
+    (whole,) = exchange_rounds(nbytes[:6], dtypes[:6], owners[:6], 2, bucket_bytes=10**9)
+    assert whole == [0, 1, 2, 3, 4, 5]
 
 
 def _batch() -> torch.Tensor:
@@ -124,8 +123,6 @@ def _check_against_one_process(mesh: Any, rows: slice, label: str) -> None:
 
 
 def _fsdp_and_hsdp(rank: int, world_size: int) -> None:
-    import os
-
     from torch.distributed.device_mesh import init_device_mesh
 
     per_rank = 4 // world_size
@@ -135,15 +132,6 @@ def _fsdp_and_hsdp(rank: int, world_size: int) -> None:
     if world_size == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         _check_against_one_process(mesh, rows, "hsdp 2x2")
-    # the other transport gives the same numbers
-    os.environ["HYPER_PARALLEL_TRANSPORT"] = "gather_broadcast"
-    try:
-        if world_size == 4:
-            _check_against_one_process(mesh, rows, "hsdp 2x2, gather_broadcast")
-        else:
-            _check_against_one_process(flat, rows, f"fsdp x{world_size}, gather_broadcast")
-    finally:
-        del os.environ["HYPER_PARALLEL_TRANSPORT"]
 
 
 @contextmanager
@@ -187,11 +175,12 @@ def _work_is_spread(rank: int, world_size: int) -> None:
 
     from torch.distributed.tensor import DTensor, Partial
 
-    from hyper_parallel.core.distributed.full_matrix import sharded_full_matrix_map
+    from hyper_parallel.core.distributed import WholeMatrices
+    from hyper_parallel_builtins.fsdp_backend import FSDPBackend
 
     partial = DTensor.from_local(torch.ones(3, 3), mesh, [Partial()])
     with pytest.raises(ValueError, match=r"a Partial value is not a matrix yet"):
-        sharded_full_matrix_map(lambda ts: ts, [partial])
+        FSDPBackend().map_blocks(lambda ts: ts, [partial], [WholeMatrices()])
 
 
 def test_fsdp_two_ranks_equals_one_process() -> None:

@@ -1,8 +1,10 @@
-"""Built-in plugin: the ``local`` sharding backend (nothing sharded).
+"""Built-in plugin: the ``local`` and ``ddp`` sharding backends (whole tensors on every process).
 
-Params are whole tensors on this process (one process, or DDP-style
-replicas that all hold the same values), so the full matrix is the tensor
-itself.
+``local``: one process, or replicas that each do all the work themselves.
+``ddp``: DDP replicas, every rank of the default group holding the same
+values; each block-transform gets one owner rank (balanced by cost), owners
+compute their share and broadcast the results, one broadcast per owner and
+round.
 """
 
 from __future__ import annotations
@@ -15,11 +17,30 @@ import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel import hookimpl
-from hyper_parallel.core.distributed import FullTensorsFn, ShardingBackend
-from hyper_parallel.core.distributed._dtensor import is_dtensor
+from hyper_parallel.core.distributed import BlocksFn, Need, ShardingBackend
+from hyper_parallel.core.distributed.toolkit import (
+    Layout,
+    assign_owners,
+    exchange_rounds,
+    is_dtensor,
+    join_blocks,
+    split_blocks,
+)
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = ["DDPBackend", "LocalBackend"]
+
+
+def map_whole(
+    fn: BlocksFn, tensors: Sequence[torch.Tensor], needs: Sequence[Need]
+) -> list[torch.Tensor]:
+    """``fn`` on the blocks of whole (plain) tensors, in one call; results joined per tensor."""
+    split = [split_blocks(t, Layout.whole(t.shape), n) for t, n in zip(tensors, needs, strict=True)]
+    results = iter(fn([b for blocks in split for b in blocks]))
+    return [
+        join_blocks([next(results) for _ in blocks], n).to(t.dtype)
+        for t, n, blocks in zip(tensors, needs, split, strict=True)
+    ]
 
 
 class LocalBackend(ShardingBackend):
@@ -39,15 +60,15 @@ class LocalBackend(ShardingBackend):
             )
         return module
 
-    def full_matrix_map(
+    def map_blocks(
         self,
-        fn: FullTensorsFn,
+        fn: BlocksFn,
         tensors: Sequence[torch.Tensor],
+        needs: Sequence[Need],
         *,
-        batch_dims: Sequence[int] | None = None,
         cost: Callable[[torch.Size], float] | None = None,
     ) -> list[torch.Tensor]:
-        return fn(list(tensors))
+        return map_whole(fn, tensors, needs)
 
 
 class DDPBackend(LocalBackend):
@@ -60,19 +81,44 @@ class DDPBackend(LocalBackend):
     name: ClassVar[str] = "ddp"
     auto_detect: ClassVar[bool] = False
 
-    def full_matrix_map(
+    def map_blocks(
         self,
-        fn: FullTensorsFn,
+        fn: BlocksFn,
         tensors: Sequence[torch.Tensor],
+        needs: Sequence[Need],
         *,
-        batch_dims: Sequence[int] | None = None,
         cost: Callable[[torch.Size], float] | None = None,
     ) -> list[torch.Tensor]:
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            return fn(list(tensors))
-        from hyper_parallel.core.distributed.full_matrix import replicated_full_matrix_map
-
-        return replicated_full_matrix_map(fn, tensors, cost=cost)
+            return map_whole(fn, tensors, needs)
+        world, me = dist.get_world_size(), dist.get_rank()
+        measure = cost or (lambda shape: float(shape.numel()))
+        owners = assign_owners([measure(t.shape) for t in tensors], world)
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        nbytes = [t.numel() * t.element_size() for t in tensors]
+        for round_ in exchange_rounds(nbytes, [t.dtype for t in tensors], owners, world):
+            mine = [i for i in round_ if owners[i] == me]
+            done = dict(
+                zip(
+                    mine,
+                    map_whole(fn, [tensors[i] for i in mine], [needs[i] for i in mine]),
+                    strict=True,
+                )
+            )
+            for owner in range(world):
+                owned = [i for i in round_ if owners[i] == owner]
+                if not owned:
+                    continue
+                sizes = [tensors[i].numel() for i in owned]
+                if owner == me:
+                    flat = torch.cat([done[i].reshape(-1) for i in owned])
+                else:
+                    first = tensors[owned[0]]
+                    flat = first.new_empty(sum(sizes))
+                dist.broadcast(flat, src=owner)
+                for i, piece in zip(owned, flat.split(sizes), strict=True):
+                    out[i] = piece.view(tensors[i].shape)
+        return [r for r in out if r is not None]
 
 
 @hookimpl

@@ -10,8 +10,7 @@ named coefficient sets, the Moonlight-style RMS target
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, cast, overload
 
 import torch
@@ -20,8 +19,8 @@ from torch.optim.optimizer import ParamsT
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
-from hyper_parallel.core.distributed import SHARDING_ENV, ShardingBackend, resolve_backend
-from hyper_parallel.core.distributed._dtensor import is_dtensor, local_tensor
+from hyper_parallel.core.distributed import GroupBackends, Need, RowBlocks, WholeMatrices
+from hyper_parallel.core.distributed.toolkit import local_tensor, shard_like
 from hyper_parallel.core.plugin import RegisterFn
 from hyper_parallel_builtins.newton_schulz import (
     KELLER_COEFFICIENTS,
@@ -30,7 +29,14 @@ from hyper_parallel_builtins.newton_schulz import (
     resolve_coefficients,
 )
 
-__all__ = ["ADJUST_LR_FNS", "MATRIX_VIEWS", "Muon", "default_ns_dtype", "matrix_shape"]
+__all__ = [
+    "ADJUST_LR_FNS",
+    "MATRIX_VIEWS",
+    "Muon",
+    "default_ns_dtype",
+    "lr_scale",
+    "matrix_shape",
+]
 
 MATRIX_VIEWS = ("auto", "flatten", "batch")
 """Accepted values of ``matrix_view``."""
@@ -47,6 +53,8 @@ _EXTRA_DEFAULTS: Mapping[str, Any] = {
     "ns_dtype": None,
     "matrix_view": "auto",
     "sharding": None,
+    "head_dim": None,
+    "split_rows": None,
 }
 
 
@@ -88,7 +96,7 @@ def default_ns_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-def _check_options(options: Mapping[str, Any]) -> None:
+def _check_options(options: dict[str, Any]) -> None:
     """Raise ``ValueError`` for an out-of-range or unknown hyperparameter."""
     lr = options["lr"]
     if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -128,12 +136,23 @@ def _check_options(options: Mapping[str, Any]) -> None:
     sharding = options["sharding"]
     if sharding is not None and not isinstance(sharding, str):
         raise ValueError(f"sharding should be a backend name or None, got {sharding!r}.")
+    _check_blocks(options)
     view = options["matrix_view"]
     if view not in MATRIX_VIEWS:
         raise ValueError(
             f"Unknown matrix_view {view!r}. Available: {', '.join(MATRIX_VIEWS)}."
             f"{did_you_mean(str(view), MATRIX_VIEWS)}"
         )
+
+
+def lr_scale(rows: int, cols: int, group: Mapping[str, Any]) -> float:
+    """The factor on the lr for a ``(rows, cols)`` matrix (or head block): the shape adjustment."""
+    target = group["matched_adamw_rms"]
+    if target is None and group["adjust_lr_fn"] == "match_rms_adamw":
+        target = _MATCH_RMS_ADAMW_TARGET
+    if target is not None:
+        return float(target) * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1.0, rows / cols)) if cols else 1.0
 
 
 def _check_param(param: Tensor) -> None:
@@ -151,17 +170,55 @@ def _check_param(param: Tensor) -> None:
         )
 
 
-def _like(local: Tensor, template: Tensor) -> Tensor:
-    """``local`` as a DTensor laid out like ``template`` (``local`` itself for plain tensors)."""
-    if not is_dtensor(template):
-        return local
-    from torch.distributed.tensor import DTensor
+def _row_heights(shape: torch.Size, group: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The independent row blocks of a param under ``split_rows`` and ``head_dim`` (``None``: one matrix)."""
+    head_dim, split_rows = group["head_dim"], group["split_rows"]
+    if head_dim is None and split_rows is None:
+        return None
+    rows = shape[_batch_dims(len(shape), group["matrix_view"])]
+    blocks = tuple(split_rows) if split_rows is not None else (rows,)
+    if sum(blocks) != rows:
+        raise ValueError(
+            f"split_rows={blocks} adds up to {sum(blocks)} rows, but the param of shape "
+            f"{tuple(shape)} has {rows}; give one row count per fused part (e.g. q, k, v)."
+        )
+    if head_dim is None:
+        return blocks
+    for block in blocks:
+        if block % head_dim:
+            where = "its" if split_rows is None else "the split_rows block of"
+            raise ValueError(
+                f"head_dim={head_dim} does not divide {where} {block} rows of the param of shape "
+                f"{tuple(shape)}; give the head size of this projection, or put the param in a "
+                "group without head_dim."
+            )
+    return tuple(head_dim for block in blocks for _ in range(block // head_dim))
 
-    assert isinstance(template, DTensor)
-    return DTensor.from_local(
-        local, template.device_mesh, template.placements, run_check=False,
-        shape=template.shape, stride=template.stride(),
-    )  # fmt: skip
+
+def _need(shape: torch.Size, group: Mapping[str, Any]) -> Need:
+    """What Newton-Schulz needs of a param: whole matrices, or independent row blocks."""
+    batch = _batch_dims(len(shape), group["matrix_view"])
+    heights = _row_heights(shape, group)
+    return WholeMatrices(batch) if heights is None else RowBlocks(heights, batch)
+
+
+def _check_blocks(options: dict[str, Any]) -> None:
+    """Check ``head_dim`` and ``split_rows``; store ``split_rows`` as a tuple."""
+    head_dim, split_rows = options["head_dim"], options["split_rows"]
+    if head_dim is not None and (
+        isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0
+    ):
+        raise ValueError(f"head_dim should be a positive int or None, got {head_dim!r}.")
+    if split_rows is not None:
+        if isinstance(split_rows, (str, bytes)) or not isinstance(split_rows, Sequence):
+            raise ValueError(
+                f"split_rows should be a tuple of row counts or None, got {split_rows!r}."
+            )
+        if not split_rows or any(
+            isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in split_rows
+        ):
+            raise ValueError(f"split_rows should hold positive ints, got {split_rows!r}.")
+        options["split_rows"] = tuple(split_rows)
 
 
 def _by_device_and_dtype(tensors: list[Tensor]) -> list[list[int]]:
@@ -237,11 +294,21 @@ class Muon(torch.optim.Optimizer):
             ``"batch"`` (all leading dims are batch dims). The lr adjustment
             uses each matrix's own shape.
         sharding: For sharded (DTensor) params, the sharding backend that
-            runs Newton-Schulz on the full matrices (``"fsdp"``, ``"hsdp"``,
-            ...). ``None``: ``$HYPER_PARALLEL_SHARDING``, else detected from
-            the params' placements. Each matrix gets one owner rank, chosen
-            by Newton-Schulz FLOPs, so the work is spread over the ranks and
-            the result equals that of one process.
+            brings whole matrices (or head blocks) to Newton-Schulz
+            (``"fsdp"``, ``"hsdp"``, ...). ``None``:
+            ``$HYPER_PARALLEL_SHARDING`` as it is when the optimizer is
+            built, else detected from the params' placements. Resolved once
+            per group, when the group is added. Blocks a rank holds whole are
+            done in place; every other matrix gets one owner rank, chosen by
+            Newton-Schulz FLOPs, so the result equals that of one process.
+        head_dim: Head-wise Muon, usually a group key for q/k projections: a
+            ``(heads * head_dim, in)`` weight is ``heads`` independent
+            ``(head_dim, in)`` matrices for Newton-Schulz, the lr adjustment
+            and RMS matching (momentum is as usual). ``None``: whole matrices.
+        split_rows: Row counts that split a fused weight (fused QKV) into
+            independent blocks first; ``head_dim`` then applies inside each.
+            Row counts that do not add up, or heads that do not divide a
+            block, are a ``ValueError`` naming the param's shape.
 
     Raises:
         ValueError: a param with fewer than 2 dims or complex, or an
@@ -273,6 +340,8 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype | None = None,
         matrix_view: str = "auto",
         sharding: str | None = None,
+        head_dim: int | None = None,
+        split_rows: Sequence[int] | None = None,
     ) -> None:
         defaults: dict[str, Any] = {
             "lr": lr,
@@ -287,44 +356,48 @@ class Muon(torch.optim.Optimizer):
             "ns_dtype": ns_dtype,
             "matrix_view": matrix_view,
             "sharding": sharding,
+            "head_dim": head_dim,
+            "split_rows": split_rows,
         }
         _check_options(defaults)
+        self._backends = GroupBackends()  # before super() adds the groups
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, checking its options and that its params are matrices."""
+        """Add a param group, checking its options, its params, and their sharding backend."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
             _check_options(group)
             for p in group["params"]:
                 _check_param(p)
+                _need(p.shape, group)
+            self._backends(group)
         except ValueError:
             self.param_groups.pop()
             raise
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        # A state_dict saved by torch.optim.Muon lacks the keys only we have.
+        # A state_dict saved by torch.optim.Muon, or before head-wise groups, lacks
+        # the keys only we have.
         for group in self.param_groups:
             for key, value in _EXTRA_DEFAULTS.items():
                 group.setdefault(key, self.defaults.get(key, value))
+        if "_backends" not in self.__dict__:
+            self._backends = GroupBackends()
 
     def _orthogonalize(self, updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
-        """Newton-Schulz of every update in ``group``, on the full matrices.
+        """Newton-Schulz of every update in ``group``, scaled by each block's lr adjustment.
 
-        Plain tensors are orthogonalized here. Sharded ones (DTensors) go
-        through their sharding backend's full-matrix map, which gives each
-        matrix one owner rank (balanced by Newton-Schulz FLOPs), runs
-        :meth:`_orthogonalize_full` there and returns the result as shards.
+        The group's sharding backend (resolved when the group was added)
+        brings each whole matrix, or each head block, to one rank: plain
+        tensors and blocks a rank holds whole are done in place, the rest by
+        one owner rank each, balanced by Newton-Schulz FLOPs.
 
         Returns:
-            The orthogonalized updates, laid out like ``updates``.
+            The scaled, orthogonalized updates, laid out like ``updates``.
         """
-        named = group["sharding"] or os.environ.get(SHARDING_ENV)
-        if not named and not any(is_dtensor(u) for u in updates):
-            return self._orthogonalize_full(updates, group)
-        backend = self._backend(group)
         view = group["matrix_view"]
 
         def ns_flops(shape: torch.Size) -> float:
@@ -332,28 +405,25 @@ class Muon(torch.optim.Optimizer):
             small, large = min(rows, cols), max(rows, cols)
             return float(group["ns_steps"] * batch * (4 * small * small * large + 2 * small**3))
 
-        return backend.full_matrix_map(
-            lambda fulls: self._orthogonalize_full(fulls, group),
+        return self._backends(group).map_blocks(
+            lambda blocks: self._orthogonalize_full(blocks, group),
             updates,
-            batch_dims=[_batch_dims(u.ndim, view) for u in updates],
+            [_need(u.shape, group) for u in updates],
             cost=ns_flops,
         )
 
-    def _backend(self, group: dict[str, Any]) -> ShardingBackend:
-        """The group's sharding backend: its ``sharding`` option, the environment, or detected."""
-        # Resolved every step (cheap): groups, their options and the environment can change.
-        return resolve_backend(group["sharding"], group["params"])
-
     def _orthogonalize_full(self, updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
-        """Newton-Schulz of whole (plain) tensors, one batched call per matrix shape.
+        """Newton-Schulz of whole (plain) blocks, one batched call per matrix shape.
 
         Args:
-            updates: One tensor per param, shaped like it.
-            group: The param group (its ``matrix_view``, ``ns_*`` and ``eps``).
+            updates: Whole matrices or head blocks, each read as
+                ``matrix_view`` says.
+            group: The param group (its ``matrix_view``, ``ns_*``, ``eps`` and
+                lr adjustment).
 
         Returns:
-            The orthogonalized updates, shaped like ``updates``, each in its
-            Newton-Schulz dtype.
+            The orthogonalized blocks in their own dtype, each multiplied by
+            its lr adjustment (:func:`lr_scale` of its matrix shape).
         """
         coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         buckets: dict[tuple[torch.device, torch.dtype, int, int], list[int]] = {}
@@ -367,17 +437,10 @@ class Muon(torch.optim.Optimizer):
         for (_, dtype, rows, cols), indices in buckets.items():
             matrices = [updates[i].reshape(-1, rows, cols) for i in indices]
             results = newton_schulz_batched(matrices, coefficients, eps=group["eps"], dtype=dtype)
+            scale = lr_scale(rows, cols, group)
             for i, result in zip(indices, results, strict=True):
-                out[i] = result.reshape(updates[i].shape)
+                out[i] = result.reshape(updates[i].shape).to(updates[i].dtype).mul_(scale)
         return cast(list[Tensor], out)
-
-    def _adjusted_lr(self, lr: float, rows: int, cols: int, group: dict[str, Any]) -> float:
-        target = group["matched_adamw_rms"]
-        if target is None and group["adjust_lr_fn"] == "match_rms_adamw":
-            target = _MATCH_RMS_ADAMW_TARGET
-        if target is not None:
-            return lr * float(target) * math.sqrt(max(rows, cols))
-        return lr * math.sqrt(max(1.0, rows / cols)) if cols else lr
 
     def _init_group(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
         params: list[Tensor] = []
@@ -423,7 +486,7 @@ class Muon(torch.optim.Optimizer):
             if group["nesterov"]:
                 looked_ahead = torch._foreach_lerp(group_grads, group_buffers, momentum)
                 for i, update in zip(indices, looked_ahead, strict=True):
-                    updates[i] = _like(update, buffers[i])
+                    updates[i] = shard_like(update, buffers[i])
 
         orthogonal = self._orthogonalize(updates, group)
         del updates
@@ -432,9 +495,12 @@ class Muon(torch.optim.Optimizer):
         if decay != 1:
             for indices in foreach_groups:
                 torch._foreach_mul_([local_params[i] for i in indices], decay)
-        for p, local, o in zip(params, local_params, orthogonal, strict=True):
-            _, rows, cols = matrix_shape(p.shape, group["matrix_view"])
-            local.add_(local_tensor(o), alpha=-self._adjusted_lr(lr, rows, cols, group))
+        for indices in foreach_groups:
+            torch._foreach_add_(
+                [local_params[i] for i in indices],
+                [local_tensor(orthogonal[i]) for i in indices],
+                alpha=-lr,
+            )
 
     @overload
     def step(self, closure: None = None) -> None: ...

@@ -1,4 +1,4 @@
-"""Distributed building blocks: device meshes, FSDP2 sharding, clipping, and the full-matrix map."""
+"""Distributed building blocks: device meshes, FSDP2 sharding, clipping, and the sharding-backend contract."""
 
 from __future__ import annotations
 
@@ -7,10 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.core.distributed.backend import (
     SHARDING_ENV,
-    FullTensorsFn,
+    BlocksFn,
+    GroupBackends,
+    ReductionsFn,
     ShardingBackend,
     resolve_backend,
 )
+from hyper_parallel.core.distributed.needs import Need, RowBlocks, WholeMatrices
+from hyper_parallel.core.distributed.toolkit import Reducer
 
 if TYPE_CHECKING:
     from hyper_parallel.core.distributed.clip_grad import clip_grad_norm_
@@ -28,8 +32,14 @@ LAZY: dict[str, str] = {
 
 __all__ = [
     "SHARDING_ENV",
-    "FullTensorsFn",
+    "BlocksFn",
+    "GroupBackends",
+    "Need",
+    "Reducer",
+    "ReductionsFn",
+    "RowBlocks",
     "ShardingBackend",
+    "WholeMatrices",
     "clip_grad_norm_",
     "fully_shard",
     "init_device_mesh",

@@ -4,31 +4,49 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from hyper_parallel.core.distributed._dtensor import is_dtensor
+from hyper_parallel.core.distributed._dtensor import is_dtensor, local_tensor, shard_like
+from hyper_parallel.core.distributed.needs import Need
+from hyper_parallel.core.distributed.toolkit import Reducer
 from hyper_parallel.core.plugin import PluginKind, get_registry
 
-__all__ = ["SHARDING_ENV", "FullTensorsFn", "ShardingBackend", "resolve_backend"]
+__all__ = [
+    "SHARDING_ENV",
+    "BlocksFn",
+    "GroupBackends",
+    "ReductionsFn",
+    "ShardingBackend",
+    "resolve_backend",
+]
 
-#: Maps a list of full (plain) tensors to results of the same shapes.
-FullTensorsFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+#: Maps whole blocks (plain tensors) to results of the same shapes.
+BlocksFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
-#: Environment variable naming the sharding backend when none is given.
+#: Maps local matrices to results of their shapes, summing rows and columns through the Reducer.
+ReductionsFn = Callable[[list[torch.Tensor], Reducer], list[torch.Tensor]]
+
+#: Environment variable naming the sharding backend when none is given; read when an
+#: optimizer is built.
 SHARDING_ENV = "HYPER_PARALLEL_SHARDING"
 
 
 class ShardingBackend(abc.ABC):
-    """How params are sharded, and how to compute on the full matrix behind a shard.
+    """How params are sharded, and how a matrix optimizer's transform reaches their data.
 
     A backend is registered by class through
     ``hyper_parallel_register_sharding_backends`` and instantiated without
-    arguments. Subclasses implement all three methods and set ``name`` (the
-    name they are registered under, used in messages).
+    arguments, once per param group when an optimizer is built, so it may
+    cache plans that depend only on the params' shapes and placements.
+    Subclasses set ``name`` (the registered name, used in messages) and
+    implement :meth:`accepts`, :meth:`shard_model` and :meth:`map_blocks`;
+    :meth:`map_reductions` works for any DTensor layout as it is.
+    :mod:`hyper_parallel.core.distributed.toolkit` has the parts to build
+    them from.
     """
 
     name: ClassVar[str] = ""
@@ -44,75 +62,136 @@ class ShardingBackend(abc.ABC):
         """Shard ``module`` in place and return it."""
 
     @abc.abstractmethod
-    def full_matrix_map(
+    def map_blocks(
         self,
-        fn: FullTensorsFn,
+        fn: BlocksFn,
         tensors: Sequence[torch.Tensor],
+        needs: Sequence[Need],
         *,
-        batch_dims: Sequence[int] | None = None,
         cost: Callable[[torch.Size], float] | None = None,
     ) -> list[torch.Tensor]:
-        """Apply ``fn`` to the full tensor behind each input; return results laid out like the inputs.
+        """Apply ``fn`` to the whole blocks each tensor's ``Need`` names; lay results out like the inputs.
 
         Args:
-            fn: Takes a list of full plain tensors, returns results of the same
-                shapes; it is called with as many tensors at once as possible
-                so it can batch same-shape work.
-            tensors: Local tensors or shards; every rank passes the same list.
-            batch_dims: Per tensor, leading dims ``fn`` treats independently;
-                a tensor sharded only on those needs no communication.
-            cost: Work of a tensor from its full shape, to balance ranks.
+            fn: Takes a list of whole blocks as plain tensors and returns
+                results of the same shapes; it is called with as many blocks
+                at once as possible, so it can batch same-shape work. Every
+                block reaches ``fn`` exactly once over all ranks, except
+                where replicas hold the same blocks in place.
+            tensors: Plain tensors or DTensors; every rank of a mesh passes
+                the same list in the same order.
+            needs: One :data:`~hyper_parallel.core.distributed.Need` per tensor.
+            cost: Work of one block from its shape, to balance ranks
+                (default: element count).
 
         Returns:
             One result per input with the input's own (local) shape,
             placements and dtype.
         """
 
+    def map_reductions(
+        self, fn: ReductionsFn, tensors: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Apply ``fn`` to each rank's part of 2-D tensors that need only row and column sums.
 
-def resolve_backend(name: str | None, params: Sequence[torch.Tensor]) -> ShardingBackend:
-    """The backend named ``name`` (or ``$HYPER_PARALLEL_SHARDING``), else the one that fits ``params``.
+        ``fn(local, reducer)`` gets the local tensors and a
+        :class:`~hyper_parallel.core.distributed.toolkit.Reducer` whose row
+        and column sums are completed over the ranks that hold the rest of
+        each row or column: nothing param-sized moves. Results are laid out
+        like the inputs.
+        """
+        local = [local_tensor(t) for t in tensors]
+        results = fn(local, Reducer(tensors))
+        return [shard_like(r, t) for r, t in zip(results, tensors, strict=True)]
+
+
+def resolve_backend(
+    name: str | None,
+    params: Sequence[torch.Tensor],
+    *,
+    param_names: Mapping[int, str] | None = None,
+) -> ShardingBackend:
+    """The backend named ``name``, else the one that fits ``params``.
 
     Detection tries every registered backend but ``local`` in name order and
     takes the first that accepts the params, then ``local``; backends with
     ``auto_detect = False`` (``ddp``) are used only when named.
 
+    Args:
+        name: A registered backend name, or ``None`` to detect.
+        params: The params of one param group.
+        param_names: ``id(param) -> name``, for messages.
+
     Raises:
         UnknownPluginError: no backend of that name.
         ValueError: the named backend does not match the params' layout, or
-            no backend accepts them.
+            no backend accepts them (naming the params no backend takes).
     """
     registry = get_registry()
-    chosen = name or os.environ.get(SHARDING_ENV) or None
-    if chosen is not None:
-        entry = registry.get(PluginKind.SHARDING_BACKEND, chosen)
+    if name is not None:
+        entry = registry.get(PluginKind.SHARDING_BACKEND, name)
         backend: ShardingBackend = entry.obj()
         if not backend.accepts(params):
-            source = "sharding=" if name else f"{SHARDING_ENV}="
             raise ValueError(
-                f"Sharding backend {entry.name!r} ({source}{chosen!r}) does not match the params: "
-                f"{_describe(params)}. Shard the model with that backend first, or pick the backend "
-                "that matches (leave sharding unset to detect it)."
+                f"Sharding backend {entry.name!r} (sharding={name!r}) does not match the params: "
+                f"{_describe(params, param_names)}. Shard the model with that backend first, or "
+                "pick the backend that matches (leave sharding unset to detect it)."
             )
         return backend
     entries = registry.entries(PluginKind.SHARDING_BACKEND)
     ordered = [e for e in entries if e.name != "local"] + [e for e in entries if e.name == "local"]
-    for entry in ordered:
-        backend = entry.obj()
-        if backend.auto_detect and backend.accepts(params):
+    candidates = [b for b in (e.obj() for e in ordered) if b.auto_detect]
+    for backend in candidates:
+        if backend.accepts(params):
             return backend
+    orphans = [p for p in params if not any(b.accepts([p]) for b in candidates)]
     raise ValueError(
-        f"No sharding backend accepts these params ({_describe(params)}); installed: "
-        f"{', '.join(e.name for e in entries) or '(none)'}."
+        f"No sharding backend accepts {_describe(orphans or params, param_names)}; installed: "
+        f"{', '.join(e.name for e in entries) or '(none)'}. Lay these params out as one of "
+        "them expects, or install a backend plugin for this layout."
     )
 
 
-def _describe(params: Sequence[torch.Tensor]) -> str:
-    layouts = sorted(
-        {
-            f"DTensor{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh"  # type: ignore[attr-defined]
-            if is_dtensor(p)
-            else "plain tensors"
-            for p in params
-        }
-    )
-    return ", ".join(layouts)
+def _describe(params: Sequence[torch.Tensor], names: Mapping[int, str] | None) -> str:
+    described = []
+    for index, p in enumerate(params):
+        who = (names or {}).get(id(p), f"param {index}")
+        if is_dtensor(p):
+            where = f"DTensor{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh"  # type: ignore[attr-defined]
+        else:
+            where = "a plain tensor"
+        described.append(f"{who} (shape {tuple(p.shape)}, {where})")
+    if len(described) > 8:
+        described = [*described[:8], f"... ({len(described) - 8} more)"]
+    return ", ".join(described)
+
+
+class GroupBackends:
+    """The sharding backend of each param group of an optimizer.
+
+    Call it with a group to get that group's backend. It is resolved the
+    first time (build it in ``add_param_group``, so a mismatch fails when
+    the optimizer is built) and again only when the group's params or its
+    ``sharding`` option change, never on a plain ``step()``. The group's
+    ``sharding`` option wins; without one, ``$HYPER_PARALLEL_SHARDING`` as it
+    was when this object was made; without that, detection.
+    """
+
+    def __init__(self) -> None:
+        self._default = os.environ.get(SHARDING_ENV) or None
+        self._resolved: dict[int, tuple[tuple[int, ...], str | None, ShardingBackend]] = {}
+
+    def __call__(self, group: Mapping[str, Any]) -> ShardingBackend:
+        params = group["params"]
+        key = tuple(id(p) for p in params)
+        name = group.get("sharding") or self._default
+        cached = self._resolved.get(id(group))
+        if cached is not None and cached[0] == key and cached[1] == name:
+            return cached[2]
+        backend = resolve_backend(name, params)
+        self._resolved[id(group)] = (key, name, backend)
+        return backend
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Backends may hold process groups and plans; a copy resolves its own.
+        return {"_default": self._default, "_resolved": {}}

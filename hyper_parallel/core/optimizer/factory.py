@@ -229,13 +229,7 @@ def get_hyper_optimizer(
             )
 
     _check_coverage(model, specs, named)
-    if sharding is not None or os.environ.get(SHARDING_ENV):
-        every = [p for s in specs.values() for g in s.groups for p in g["params"]]
-        backend = resolve_backend(sharding, every)  # a mismatch fails here, before any build
-        for spec in specs.values():
-            accepted = accepted_keywords(spec.entry.obj, skip=1)
-            if accepted is not None and "sharding" in accepted:
-                spec.kwargs.setdefault("sharding", backend.name)
+    _resolve_sharding(sharding or os.environ.get(SHARDING_ENV) or None, specs, named)
     built: dict[str, Optimizer] = {}
     for spec in specs.values():
         if not any(g["params"] for g in spec.groups):
@@ -254,6 +248,28 @@ def get_hyper_optimizer(
             "(or every param is frozen)."
         )
     return ChainedOptimizer(built)
+
+
+def _resolve_sharding(
+    name: str | None, specs: Mapping[str, _Spec], named: Mapping[int, str]
+) -> None:
+    """Resolve the sharding backend of the optimizers that take one, before any is built.
+
+    A named backend that does not match, or a layout no backend handles, fails
+    here with the params' names; a named backend is passed on to each of them.
+    """
+    takers = [
+        spec
+        for spec in specs.values()
+        if "sharding" in (accepted_keywords(spec.entry.obj, skip=1) or ())
+    ]
+    params = [p for spec in takers for g in spec.groups for p in g["params"]]
+    if not params:
+        return
+    backend = resolve_backend(name, params, param_names=named)
+    if name is not None:
+        for spec in takers:
+            spec.kwargs.setdefault("sharding", backend.name)
 
 
 def _apply_partitioner(
