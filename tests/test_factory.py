@@ -238,7 +238,8 @@ def test_sharding_backend_must_match_the_params(
 ) -> None:
     with pytest.raises(
         ValueError,
-        match=r"Sharding backend 'hsdp' \(sharding='hsdp'\) does not match the params: plain tensors",
+        match=r"Sharding backend 'hsdp' \(sharding='hsdp'\) does not match the params: "
+        r"layers.0.q_proj.weight \(shape \(16, 16\), a plain tensor\)",
     ):
         get_hyper_optimizer(model, sharding="hsdp")
     with pytest.raises(

@@ -110,6 +110,7 @@ def resolve_backend(
     params: Sequence[torch.Tensor],
     *,
     param_names: Mapping[int, str] | None = None,
+    origin: str = "sharding",
 ) -> ShardingBackend:
     """The backend named ``name``, else the one that fits ``params``.
 
@@ -121,6 +122,8 @@ def resolve_backend(
         name: A registered backend name, or ``None`` to detect.
         params: The params of one param group.
         param_names: ``id(param) -> name``, for messages.
+        origin: Where ``name`` came from, for messages (``"sharding"`` or
+            the environment variable).
 
     Raises:
         UnknownPluginError: no backend of that name.
@@ -132,9 +135,10 @@ def resolve_backend(
         entry = registry.get(PluginKind.SHARDING_BACKEND, name)
         backend: ShardingBackend = entry.obj()
         if not backend.accepts(params):
+            misfits = [p for p in params if not backend.accepts([p])] or list(params)
             raise ValueError(
-                f"Sharding backend {entry.name!r} (sharding={name!r}) does not match the params: "
-                f"{_describe(params, param_names)}. Shard the model with that backend first, or "
+                f"Sharding backend {entry.name!r} ({origin}={name!r}) does not match the params: "
+                f"{_describe(misfits, param_names)}. Shard the model with that backend first, or "
                 "pick the backend that matches (leave sharding unset to detect it)."
             )
         return backend
@@ -188,7 +192,8 @@ class GroupBackends:
         cached = self._resolved.get(id(group))
         if cached is not None and cached[0] == key and cached[1] == name:
             return cached[2]
-        backend = resolve_backend(name, params)
+        origin = "sharding" if group.get("sharding") else SHARDING_ENV
+        backend = resolve_backend(name, params, origin=origin)
         self._resolved[id(group)] = (key, name, backend)
         return backend
 

@@ -229,7 +229,8 @@ def get_hyper_optimizer(
             )
 
     _check_coverage(model, specs, named)
-    _resolve_sharding(sharding or os.environ.get(SHARDING_ENV) or None, specs, named)
+    origin = "sharding" if sharding else SHARDING_ENV
+    _resolve_sharding(sharding or os.environ.get(SHARDING_ENV) or None, origin, specs, named)
     built: dict[str, Optimizer] = {}
     for spec in specs.values():
         if not any(g["params"] for g in spec.groups):
@@ -251,7 +252,7 @@ def get_hyper_optimizer(
 
 
 def _resolve_sharding(
-    name: str | None, specs: Mapping[str, _Spec], named: Mapping[int, str]
+    name: str | None, origin: str, specs: Mapping[str, _Spec], named: Mapping[int, str]
 ) -> None:
     """Resolve the sharding backend of the optimizers that take one, before any is built.
 
@@ -266,7 +267,7 @@ def _resolve_sharding(
     params = [p for spec in takers for g in spec.groups for p in g["params"]]
     if not params:
         return
-    backend = resolve_backend(name, params, param_names=named)
+    backend = resolve_backend(name, params, param_names=named, origin=origin)
     if name is not None:
         for spec in takers:
             spec.kwargs.setdefault("sharding", backend.name)
