@@ -48,10 +48,9 @@ from hyper_parallel.core.distributed.toolkit import (
     exchange_rounds,
     gather_layouts,
     is_dtensor,
-    join_blocks,
     local_tensor,
+    map_held_blocks,
     shard_like,
-    split_blocks,
 )
 from hyper_parallel.core.plugin import RegisterFn
 
@@ -237,16 +236,15 @@ def _map_in_place(
     out: list[torch.Tensor | None],
 ) -> None:
     """One ``fn`` call on the whole blocks this rank already holds (``layouts``: index -> its layout)."""
-    split = {
-        i: split_blocks(local_tensor(tensors[i]), layout, needs[i]) for i, layout in layouts.items()
-    }
-    if not split:
-        return
-    results = iter(fn([b for blocks in split.values() for b in blocks]))
-    for i, blocks in split.items():
-        t = tensors[i]
-        joined = join_blocks([next(results) for _ in blocks], needs[i])
-        out[i] = shard_like(joined.to(t.dtype), t)
+    indices = list(layouts)
+    results = map_held_blocks(
+        fn,
+        [local_tensor(tensors[i]) for i in indices],
+        [layouts[i] for i in indices],
+        [needs[i] for i in indices],
+    )
+    for i, result in zip(indices, results, strict=True):
+        out[i] = shard_like(result, tensors[i])
 
 
 def _exchange(
@@ -323,15 +321,14 @@ def _transform_owned(
                 data = received[piece.sender][start : start + piece.layout.numel]
             piece.layout.copy_into(full, data.view(piece.layout.shape))
         fulls[item.index] = full
-    if not fulls:
-        return {}
-    whole = {i: Layout.whole(f.shape) for i, f in fulls.items()}
-    split = {i: split_blocks(f, whole[i], needs[i]) for i, f in fulls.items()}
-    results = iter(fn([b for blocks in split.values() for b in blocks]))
-    return {
-        i: join_blocks([next(results) for _ in blocks], needs[i]).to(fulls[i].dtype)
-        for i, blocks in split.items()
-    }
+    indices = list(fulls)
+    results = map_held_blocks(
+        fn,
+        [fulls[i] for i in indices],
+        [Layout.whole(fulls[i].shape) for i in indices],
+        [needs[i] for i in indices],
+    )
+    return dict(zip(indices, results, strict=True))
 
 
 @hookimpl

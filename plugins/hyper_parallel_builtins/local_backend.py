@@ -23,8 +23,7 @@ from hyper_parallel.core.distributed.toolkit import (
     assign_owners,
     exchange_rounds,
     is_dtensor,
-    join_blocks,
-    split_blocks,
+    map_held_blocks,
 )
 from hyper_parallel.core.plugin import RegisterFn
 
@@ -35,12 +34,7 @@ def map_whole(
     fn: BlocksFn, tensors: Sequence[torch.Tensor], needs: Sequence[Need]
 ) -> list[torch.Tensor]:
     """``fn`` on the blocks of whole (plain) tensors, in one call; results joined per tensor."""
-    split = [split_blocks(t, Layout.whole(t.shape), n) for t, n in zip(tensors, needs, strict=True)]
-    results = iter(fn([b for blocks in split for b in blocks]))
-    return [
-        join_blocks([next(results) for _ in blocks], n).to(t.dtype)
-        for t, n, blocks in zip(tensors, needs, split, strict=True)
-    ]
+    return map_held_blocks(fn, tensors, [Layout.whole(t.shape) for t in tensors], needs)
 
 
 class LocalBackend(ShardingBackend):

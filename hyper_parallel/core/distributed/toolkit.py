@@ -9,9 +9,11 @@ backend's own module holds only its strategy:
 * :class:`Layout`: the index runs of each tensor dim a rank holds, for any
   DTensor placement (``Shard``, FSDP+TP's strided shards, ``Replicate``);
   :func:`gather_layouts` learns every rank's in one collective.
-* :func:`blocks_in_place`, :func:`split_blocks`, :func:`join_blocks`: which
-  blocks a layout already holds whole, and cutting a tensor into the blocks a
-  :data:`~hyper_parallel.core.distributed.Need` names.
+* :func:`blocks_in_place`, :func:`split_blocks`, :func:`join_blocks`,
+  :func:`map_held_blocks`: which blocks a layout already holds whole,
+  cutting a tensor into the blocks a
+  :data:`~hyper_parallel.core.distributed.Need` names, and one transform
+  call over all of them.
 * :func:`assign_owners` and :func:`exchange_rounds`: one owner per matrix,
   balanced by cost, in rounds of bounded size.
 * :func:`all_to_all` and :func:`exchange_group`: the transport.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +62,7 @@ __all__ = [
     "join_blocks",
     "local_layout",
     "local_tensor",
+    "map_held_blocks",
     "shard_like",
     "split_blocks",
 ]
@@ -221,6 +224,27 @@ def join_blocks(results: Sequence[torch.Tensor], need: Need) -> torch.Tensor:
     if len(results) == 1:
         return results[0]
     return torch.cat(list(results), dim=need.batch_dims)
+
+
+def map_held_blocks(
+    fn: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    tensors: Sequence[torch.Tensor],
+    layouts: Sequence[Layout],
+    needs: Sequence[Need],
+) -> list[torch.Tensor]:
+    """``fn`` once on all the whole blocks these tensors hold; each result joined and cast back.
+
+    ``tensors`` are plain (local) tensors, each laid out as its layout, which
+    holds whole blocks (:func:`blocks_in_place`).
+    """
+    split = [split_blocks(t, lay, n) for t, lay, n in zip(tensors, layouts, needs, strict=True)]
+    if not split:
+        return []
+    results = iter(fn([b for blocks in split for b in blocks]))
+    return [
+        join_blocks([next(results) for _ in blocks], n).to(t.dtype)
+        for t, n, blocks in zip(tensors, needs, split, strict=True)
+    ]
 
 
 # -- owners and rounds ---------------------------------------------------------------
