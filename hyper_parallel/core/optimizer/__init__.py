@@ -1,8 +1,8 @@
 """The HyperParallel optimizer API.
 
-``Muon`` and ``AdamW`` are resolved through the plugin registry (they are
-built-in plugins), so ``from hyper_parallel.core.optimizer import Muon``
-gives whatever the registry holds under that name.
+``Muon``, ``Sinkhorn`` and ``AdamW`` are resolved through the plugin registry
+(they are built-in plugins), so ``from hyper_parallel.core.optimizer import
+Muon`` gives whatever the registry holds under that name.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ __all__ = [
     "ChainedOptimizer",
     "HyperLRScheduler",
     "Muon",
+    "Sinkhorn",
     "get_hyper_lr_scheduler",
     "get_hyper_optimizer",
     "grads_are_finite",
@@ -29,9 +30,10 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     Muon: type[Optimizer]
+    Sinkhorn: type[Optimizer]
     AdamW: type[Optimizer]
 
-_REGISTERED = {"Muon": "muon", "AdamW": "adamw"}
+_REGISTERED = {"Muon": "muon", "Sinkhorn": "sinkhorn", "AdamW": "adamw"}
 
 
 def __getattr__(name: str) -> Any:

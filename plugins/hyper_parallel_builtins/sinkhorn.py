@@ -1,0 +1,399 @@
+"""Built-in plugin: ``sinkhorn``, momentum balanced by alternating row and column normalization.
+
+:class:`Sinkhorn` takes the momentum of each matrix param, drops the rows
+whose norm is negligible, and runs a few Sinkhorn-Knopp style sweeps that
+normalize its rows and columns in turn to unit L2 norm. The result has rows
+of unit norm and columns of near-equal norm, and is scaled by
+``correction * sqrt(cols)``.
+
+It needs only row and column sums of squares, never a whole matrix, so the
+sharding backend's :meth:`~hyper_parallel.core.distributed.ShardingBackend.map_reductions`
+runs it on every rank's own shard: a sharded param all-reduces vectors of
+norms, nothing param-sized.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
+from typing import Any, ClassVar, overload
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
+
+from hyper_parallel import hookimpl
+from hyper_parallel.core.distributed import GroupBackends, Reducer
+from hyper_parallel.core.distributed.toolkit import is_dtensor, local_tensor, shard_like
+from hyper_parallel.core.plugin import RegisterFn
+
+__all__ = ["Sinkhorn", "sinkhorn_normalize", "state_dtype"]
+
+# Group keys a group loaded from an older state_dict may lack, with their defaults.
+_EXTRA_DEFAULTS: Mapping[str, Any] = {
+    "sharding": None,
+}
+
+
+def state_dtype(param: Tensor) -> torch.dtype:
+    """The dtype of ``param``'s momentum buffer and statistics: float64 for float64, else float32."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for an out-of-range option, naming it and saying what is accepted."""
+    lr = options["lr"]
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"A tensor lr must have 1 element, got shape {tuple(lr.shape)}.")
+    elif not _is_real(lr):
+        raise ValueError(f"lr should be a float >= 0 (or a 1-element tensor), got {lr!r}.")
+    if not lr >= 0.0:
+        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+
+    weight_decay = options["weight_decay"]
+    if not _is_real(weight_decay) or weight_decay != 0:
+        raise ValueError(
+            f"Sinkhorn has no weight decay, but got weight_decay={weight_decay!r}. Set "
+            "weight_decay=0; to decay these params, use AdamW's decoupled weight decay "
+            "(give them to adamw)."
+        )
+    momentum = options["momentum"]
+    if not _is_real(momentum) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum should be a float in [0, 1), got {momentum!r}.")
+    steps = options["steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0 or steps % 2 == 0:
+        raise ValueError(
+            f"steps should be an odd int >= 1 (one row normalization, then (steps - 1) / 2 "
+            f"column and row sweeps), got {steps!r}; e.g. 11."
+        )
+    eps = options["eps"]
+    if not _is_real(eps) or not eps > 0.0:
+        raise ValueError(f"eps should be a float > 0, got {eps!r}.")
+    tau = options["tau"]
+    if not _is_real(tau) or not tau >= 0.0:
+        raise ValueError(
+            f"tau should be a float >= 0 (rows with norm <= tau * mean row norm stay still), "
+            f"got {tau!r}."
+        )
+    correction = options["correction"]
+    if not _is_real(correction) or not correction > 0.0:
+        raise ValueError(f"correction should be a float > 0, got {correction!r}.")
+    sharding = options["sharding"]
+    if sharding is not None and not isinstance(sharding, str):
+        raise ValueError(f"sharding should be a backend name or None, got {sharding!r}.")
+
+
+def _check_param(param: Tensor) -> None:
+    if param.ndim != 2:
+        raise ValueError(
+            f"Sinkhorn only updates 2-D matrices (it normalizes their rows and columns), but got "
+            f"a param of shape {tuple(param.shape)} ({param.ndim}-D). Give params with fewer "
+            "than 2 dims (biases, norm weights) to AdamW, e.g. with get_hyper_optimizer, which "
+            "moves them there; give N-D params (conv kernels, expert stacks) to Muon or AdamW."
+        )
+    if param.is_complex() or not param.is_floating_point():
+        raise ValueError(
+            f"Sinkhorn needs real floating-point params, got {param.dtype} for the param of "
+            f"shape {tuple(param.shape)}; optimize it with AdamW or view it as real."
+        )
+
+
+def sinkhorn_normalize(
+    local: list[Tensor],
+    reducer: Reducer,
+    *,
+    rows: Sequence[int],
+    steps: int,
+    eps: float,
+    tau: float,
+) -> list[Tensor]:
+    """Sinkhorn's balancing of each (local piece of a) matrix, as a ``ReductionsFn``.
+
+    Drops the rows whose L2 norm is at most ``tau`` times the mean row norm,
+    divides every row by its norm plus ``eps``, then ``(steps - 1) / 2`` times
+    divides every column, then every row, by its norm plus ``eps``. Norms are
+    taken over the full matrix: ``reducer`` completes each sum over the ranks
+    that hold the rest of the row or column, one call per phase for all
+    matrices together.
+
+    Args:
+        local: This rank's pieces of the matrices; left unchanged.
+        reducer: Completes row and column sums (no collective for plain tensors).
+        rows: Each full matrix's row count (for the mean row norm).
+        steps: Odd number of normalizations, >= 1.
+        eps: Added to every norm before dividing.
+        tau: Rows with norm <= ``tau`` times the mean row norm become zero.
+
+    Returns:
+        New tensors, shaped like ``local``.
+    """
+    norms = [s.sqrt_() for s in reducer.row_sums([x.square() for x in local])]
+    totals = reducer.col_sums([r[:, None] for r in norms])
+    out: list[Tensor] = []
+    for x, r, total, m in zip(local, norms, totals, rows, strict=True):
+        dropped = r <= tau * (total[0] / m)
+        out.append(x.div(r.add(eps)[:, None]).masked_fill_(dropped[:, None], 0.0))
+    for _ in range((steps - 1) // 2):
+        col_norms = reducer.col_sums([x.square() for x in out])
+        for x, c in zip(out, col_norms, strict=True):
+            x.div_(c.sqrt_().add_(eps))
+        row_norms = reducer.row_sums([x.square() for x in out])
+        for x, r in zip(out, row_norms, strict=True):
+            x.div_(r.sqrt_().add_(eps)[:, None])
+    return out
+
+
+class Sinkhorn(torch.optim.Optimizer):
+    r"""Momentum balanced by Sinkhorn row and column normalization, for hidden-layer matrices.
+
+    For each 2-D param :math:`W` of shape :math:`(m, n)` (never transposed),
+    with gradient :math:`G` and momentum buffer :math:`B` (zero at first):
+
+    .. math::
+
+        B &\leftarrow \mu B + (1 - \mu) G \\
+        U &\leftarrow (1 - \mu) G + \mu B \ \text{(nesterov)}
+             \quad\text{or}\quad U \leftarrow B \\
+        U_{i,:} &\leftarrow 0 \quad\text{where}\quad r_i \le \tau\,\bar r,
+             \qquad U_{i,:} \leftarrow U_{i,:} / (r_i + \varepsilon) \\
+        U_{:,j} &\leftarrow U_{:,j} / (\lVert U_{:,j} \rVert_2 + \varepsilon), \quad
+        U_{i,:} \leftarrow U_{i,:} / (\lVert U_{i,:} \rVert_2 + \varepsilon)
+             \quad \text{(} (k - 1) / 2 \text{ times)} \\
+        W &\leftarrow W - \gamma\,c\,\sqrt{n}\,U
+
+    where :math:`r_i = \lVert U_{i,:} \rVert_2`, :math:`\bar r` is their mean,
+    :math:`k` is ``steps`` and :math:`c` is ``correction``. Rows dropped by
+    the :math:`\tau` test stay zero, so those rows of :math:`W` do not move.
+    There is no weight decay.
+
+    The momentum buffer and every statistic are float32 (float64 for float64
+    params); params keep their own dtype. For sharded (DTensor) params each
+    rank works on its own shard, and only row and column norm vectors are
+    all-reduced, through the group's sharding backend. Matrices of a param
+    group share each of those all-reduces.
+
+    Args:
+        params: Params or param-group dicts; a group may override any
+            option below, the keyword-only ones included.
+        lr: Learning rate :math:`\gamma` (a float or a 1-element tensor).
+        momentum: Momentum factor :math:`\mu`, in ``[0, 1)``.
+        nesterov: Normalize the Nesterov look-ahead rather than the buffer.
+        steps: Normalizations :math:`k`, an odd int: one of the rows, then
+            :math:`(k - 1) / 2` sweeps of columns then rows.
+        eps: Added to every norm before dividing by it, > 0.
+        tau: Rows whose norm is at most :math:`\tau` times the mean row norm
+            are zeroed (their params do not move), >= 0.
+        correction: Factor :math:`c` on the update, > 0.
+        weight_decay: Must be 0: Sinkhorn has no weight decay (decay with
+            AdamW). Accepted so that code passing ``weight_decay=0`` works.
+        sharding: For sharded (DTensor) params, the sharding backend whose
+            reductions complete the row and column norms (``"fsdp"``,
+            ``"hsdp"``, ...). ``None``: ``$HYPER_PARALLEL_SHARDING`` as it is
+            when the optimizer is built, else detected from the params'
+            placements. Resolved once per group, when the group is added.
+
+    Raises:
+        ValueError: a param that is not a real 2-D matrix, an out-of-range
+            option, non-zero ``weight_decay``, or (at ``step``) a sparse or
+            ``Partial`` DTensor gradient.
+
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> matrices = [p for p in model.parameters() if p.ndim == 2]
+        >>> opt = Sinkhorn(matrices, lr=0.02, steps=7)
+        >>> model(torch.randn(2, 8)).sum().backward()
+        >>> opt.step()
+    """
+
+    matrix_only: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        steps: int = 11,
+        eps: float = 1e-20,
+        tau: float = 1e-3,
+        correction: float = 0.18,
+        *,
+        weight_decay: float = 0.0,
+        sharding: str | None = None,
+    ) -> None:
+        defaults: dict[str, Any] = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "steps": steps,
+            "eps": eps,
+            "tau": tau,
+            "correction": correction,
+            "weight_decay": weight_decay,
+            "sharding": sharding,
+        }
+        _check_options(defaults)
+        self._backends = GroupBackends()  # before super() adds the groups
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, checking its options, its params, and their sharding backend."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_options(group)
+            for p in group["params"]:
+                _check_param(p)
+            self._backends(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in _EXTRA_DEFAULTS.items():
+                group.setdefault(key, self.defaults.get(key, value))
+        if "_backends" not in self.__dict__:
+            self._backends = GroupBackends()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict``, keeping momentum buffers in their float32 (or float64) dtype.
+
+        ``torch.optim.Optimizer`` casts floating-point state to each param's
+        dtype, which would round a bf16 param's float32 buffer to bf16.
+        """
+        saved = state_dict["state"]
+        buffers = {
+            key: value["momentum_buffer"]
+            for key, value in saved.items()
+            if isinstance(value, Mapping) and isinstance(value.get("momentum_buffer"), Tensor)
+        }
+        super().load_state_dict(state_dict)
+        id_map = dict(
+            zip(
+                chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
+                chain.from_iterable(g["params"] for g in self.param_groups),
+                strict=True,
+            )
+        )
+        for key, buffer in buffers.items():
+            param = id_map.get(key)
+            if param is not None:
+                self.state[param]["momentum_buffer"] = buffer.to(
+                    device=param.device, dtype=state_dtype(param)
+                )
+
+    def _init_group(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        buffers: list[Tensor] = []
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise ValueError(
+                    f"Sinkhorn does not support sparse gradients (param of shape "
+                    f"{tuple(p.shape)}); use a dense gradient, or SparseAdam for sparse embeddings."
+                )
+            if is_dtensor(grad) and any(pl.is_partial() for pl in grad.placements):  # type: ignore[attr-defined]
+                raise ValueError(
+                    f"The gradient of the param of shape {tuple(p.shape)} is a Partial DTensor "
+                    f"(placements {grad.placements}): its row and column norms need the reduced "  # type: ignore[attr-defined]
+                    "gradient. Reduce it first (redistribute it to Shard or Replicate, as FSDP's "
+                    "reduce-scatter does) before step()."
+                )
+            state = self.state[p]
+            dtype = state_dtype(p)
+            buffer = state.get("momentum_buffer")
+            if buffer is None:
+                buffer = torch.zeros_like(grad, dtype=dtype, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = buffer
+            elif buffer.dtype != dtype:
+                buffer = state["momentum_buffer"] = buffer.to(dtype)
+            params.append(p)
+            grads.append(grad)
+            buffers.append(buffer)
+        return params, grads, buffers
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        params, grads, buffers = self._init_group(group)
+        if not params:
+            return
+        lr = group["lr"]
+        lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
+        momentum = float(group["momentum"])
+        # Element-wise work runs on the local shards, in the buffers' dtype.
+        local_buffers = [local_tensor(b) for b in buffers]
+        local_grads = [
+            local_tensor(g).to(b.dtype) for g, b in zip(grads, local_buffers, strict=True)
+        ]
+        foreach_groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, b in enumerate(local_buffers):
+            foreach_groups.setdefault((b.device, b.dtype), []).append(i)
+
+        updates: list[Tensor] = list(buffers)
+        for indices in foreach_groups.values():
+            group_grads = [local_grads[i] for i in indices]
+            group_buffers = [local_buffers[i] for i in indices]
+            torch._foreach_lerp_(group_buffers, group_grads, 1 - momentum)
+            if group["nesterov"]:
+                looked_ahead = torch._foreach_lerp(group_grads, group_buffers, momentum)
+                for i, update in zip(indices, looked_ahead, strict=True):
+                    updates[i] = shard_like(update, buffers[i])
+        del local_grads
+
+        rows = [p.shape[0] for p in params]
+        steps, eps, tau = int(group["steps"]), float(group["eps"]), float(group["tau"])
+
+        def normalize(local: list[Tensor], reducer: Reducer) -> list[Tensor]:
+            return sinkhorn_normalize(local, reducer, rows=rows, steps=steps, eps=eps, tau=tau)
+
+        balanced = self._backends(group).map_reductions(normalize, updates)
+        del updates
+
+        scale = lr * float(group["correction"])
+        for p, u in zip(params, balanced, strict=True):
+            # In float32/64, rounded once into the param's dtype.
+            local_tensor(p).add_(local_tensor(u), alpha=-scale * math.sqrt(p.shape[1]))
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Make one update of every param that has a gradient.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or ``None`` without a closure.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            for group in self.param_groups:
+                self._step_group(group)
+        return loss
+
+
+@hookimpl
+def hyper_parallel_register_optimizers(register: RegisterFn) -> None:
+    """Register ``sinkhorn``."""
+    register(
+        "sinkhorn",
+        Sinkhorn,
+        description="Momentum balanced by Sinkhorn row and column normalization, for matrices",
+    )
