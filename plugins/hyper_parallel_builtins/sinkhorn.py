@@ -134,7 +134,7 @@ def sinkhorn_normalize(
         New tensors, shaped like ``local``.
     """
     norms = [s.sqrt_() for s in reducer.row_sums([x.square() for x in local])]
-    totals = reducer.col_sums([r[:, None] for r in norms])
+    totals = reducer.row_totals(norms)
     out: list[Tensor] = []
     for x, r, total, m in zip(local, norms, totals, rows, strict=True):
         dropped = r <= tau * (total[0] / m)

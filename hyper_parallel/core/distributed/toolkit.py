@@ -392,6 +392,15 @@ class Reducer:
         """``x.sum(0)`` of each full matrix, the part for this rank's columns."""
         return _sum_over([x.sum(0) for x in local], self._over_rows)
 
+    def row_totals(self, per_row: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The sum over all rows of each matrix of a per-row vector (this rank's rows' part).
+
+        ``per_row[i]`` holds one value per local row of matrix ``i`` (as
+        :meth:`row_sums` returns them); the result is a 1-element tensor per
+        matrix, the same on every rank.
+        """
+        return _sum_over([v.sum().reshape(1) for v in per_row], self._over_rows)
+
 
 def _sum_over(
     vectors: list[torch.Tensor], groups: Sequence[tuple[ProcessGroup, ...]]

@@ -1,0 +1,298 @@
+"""Matrix optimizers on every layout: FSDP (uneven shards), FSDP x TP, head-wise blocks in place.
+
+Each check trains a small multi-head decoder for a few steps sharded, and the
+same model in one process, with the optimizers split as a large-model
+recipe does: Sinkhorn on the embedding and the head, head-wise Muon on q/k,
+Muon on the other matrices, AdamW on the rest. The sharded params must equal
+the one-process ones.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from torch import nn
+
+from conftest import RMSNorm, lm_loss
+from hyper_parallel.core.optimizer import get_hyper_optimizer
+
+STEPS = 5
+HEAD_DIM = 4
+
+
+class Attention(nn.Module):
+    """Multi-head attention whose head count follows the local q/k/v width (tensor parallel)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+
+        def heads(y: torch.Tensor) -> torch.Tensor:
+            return y.view(b, t, -1, HEAD_DIM).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        att = torch.softmax(q @ k.transpose(-1, -2) / HEAD_DIM**0.5, dim=-1)
+        return self.o_proj((att @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(dim)
+        self.attn = Attention(dim)
+        self.post_norm = RMSNorm(dim)
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x))
+        h = self.post_norm(x)
+        return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class HeadsLM(nn.Module):
+    """Embedding, multi-head blocks, final norm, head. 30 tokens: uneven shards at 4 ranks."""
+
+    def __init__(self, vocab: int = 30, dim: int = 16, hidden: int = 24, layers: int = 2) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, hidden) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def _optimizer(model: nn.Module, *, head_dim: int = HEAD_DIM) -> Any:
+    """Sinkhorn on embedding and head, head-wise Muon on q/k, Muon on other matrices, AdamW else."""
+    families: dict[str, list[nn.Parameter]] = {"sinkhorn": [], "heads": [], "muon": [], "adamw": []}
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name or "lm_head" in name:
+            families["sinkhorn"].append(p)
+        elif "q_proj" in name or "k_proj" in name:
+            families["heads"].append(p)
+        elif p.ndim >= 2:
+            families["muon"].append(p)
+        else:
+            families["adamw"].append(p)
+    return get_hyper_optimizer(
+        model,
+        optimizers={
+            "sinkhorn": {"params": families["sinkhorn"], "lr": 0.01},
+            "muon": {
+                "params": [
+                    {"params": families["heads"], "head_dim": head_dim},
+                    {"params": families["muon"]},
+                ],
+                "lr": 0.02,
+                "weight_decay": 0.01,
+            },
+            "adamw": {"params": families["adamw"], "lr": 3e-3},
+        },
+    )
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, 30, (4, 9), generator=torch.Generator().manual_seed(1))
+
+
+def _train(model: nn.Module, optimizer: Any, batch: torch.Tensor, steps: int = STEPS) -> None:
+    for _ in range(steps):
+        lm_loss(model, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _assert_equal_to_one_process(model: nn.Module, reference: nn.Module, label: str) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        torch.testing.assert_close(full, q.detach(), rtol=1e-5, atol=1e-5, msg=f"{label}: {name}")
+
+
+@contextmanager
+def _counting_newton_schulz() -> Iterator[list[int]]:
+    """Record how many matrices Newton-Schulz gets on this rank."""
+    import hyper_parallel_builtins.muon as muon_module
+
+    counted: list[int] = []
+    real = muon_module.newton_schulz_batched
+
+    def counting(matrices: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        counted.append(sum(m.shape[0] for m in matrices))
+        return real(matrices, *args, **kwargs)
+
+    muon_module.newton_schulz_batched = counting  # type: ignore[assignment]
+    try:
+        yield counted
+    finally:
+        muon_module.newton_schulz_batched = real  # type: ignore[assignment]
+
+
+_COLLECTIVES = ("all_reduce", "all_to_all_single", "broadcast", "all_gather_into_tensor",
+                "all_gather", "gather", "reduce_scatter_tensor", "send", "recv")  # fmt: skip
+
+
+@contextmanager
+def _collective_sizes() -> Iterator[list[tuple[str, int]]]:
+    """Record the element count of every tensor collective called through ``torch.distributed``."""
+    seen: list[tuple[str, int]] = []
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def spy(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors += [
+                a for a in args if isinstance(a, list) for a in a if isinstance(a, torch.Tensor)
+            ]
+            seen.append((name, max((t.numel() for t in tensors), default=0)))
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in _COLLECTIVES:
+        setattr(dist, name, spy(name))
+    try:
+        yield seen
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+# -- FSDP --------------------------------------------------------------------------------
+
+
+def _fsdp(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyper_parallel import fully_shard
+
+    torch.manual_seed(0)
+    reference = HeadsLM()
+    model = copy.deepcopy(reference)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    per_rank = 4 // world_size
+    _train(reference, _optimizer(reference), _batch())
+    _train(model, _optimizer(model), _batch()[rank * per_rank : (rank + 1) * per_rank])
+    _assert_equal_to_one_process(model, reference, f"fsdp x{world_size}")
+    if world_size == 4:
+        _nothing_param_sized_moves(model)
+
+
+def _nothing_param_sized_moves(model: nn.Module) -> None:
+    """Sinkhorn and head-aligned head-wise Muon communicate norm vectors only."""
+    from hyper_parallel.core.optimizer import Muon, Sinkhorn
+
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    heads = [p for n, p in model.named_parameters() if "q_proj" in n or "k_proj" in n]
+    lm_loss(model, _batch()[:1]).backward()
+    sinkhorn, muon = Sinkhorn([embed, head], lr=0.01), Muon(heads, lr=0.02, head_dim=HEAD_DIM)
+    sizes = {}
+    for opt in (sinkhorn, muon):
+        opt.step()  # the first step makes the plans
+        with _collective_sizes() as seen:
+            opt.step()
+        sizes[type(opt).__name__] = seen
+    # Sinkhorn on row shards: all-reduces of column-norm vectors, both params' in one
+    assert sizes["Sinkhorn"], "Sinkhorn on row shards must complete its column norms"
+    assert {name for name, _ in sizes["Sinkhorn"]} == {"all_reduce"}, sizes
+    assert max(n for _, n in sizes["Sinkhorn"]) == embed.shape[1] + head.shape[1], sizes
+    # head-wise Muon with whole heads on every rank: nothing at all
+    assert sizes["Muon"] == [], sizes
+
+
+def test_fsdp_two_ranks_equals_one_process_with_every_optimizer_family() -> None:
+    run_distributed(_fsdp, world_size=2)
+
+
+def test_fsdp_four_uneven_ranks_equals_one_process_and_moves_no_param_sized_tensors() -> None:
+    run_distributed(_fsdp, world_size=4)
+
+
+# -- FSDP x TP ---------------------------------------------------------------------------
+
+
+def _tensor_parallel(model: HeadsLM, tp_mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {
+        "attn.q_proj": ColwiseParallel(),
+        "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(),
+        "attn.o_proj": RowwiseParallel(),
+        "gate_proj": ColwiseParallel(),
+        "up_proj": ColwiseParallel(),
+        "down_proj": RowwiseParallel(),
+    }
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _fsdp_x_tp(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyper_parallel import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    reference = HeadsLM()
+    model = copy.deepcopy(reference)
+    _tensor_parallel(model, mesh["tp"])
+    fully_shard(model, mesh=mesh["dp"])
+    dp = mesh.get_local_rank("dp")
+
+    with _counting_newton_schulz() as one_process:
+        _train(reference, _optimizer(reference), _batch())
+    with _counting_newton_schulz() as sharded:
+        _train(model, _optimizer(model), _batch()[dp * 2 : dp * 2 + 2])
+    _assert_equal_to_one_process(model, reference, "fsdp x tp")
+
+    counts: list[int] = [0] * world_size
+    dist.all_gather_object(counts, sum(sharded))
+    assert sum(counts) == sum(one_process), (counts, sum(one_process))
+    assert all(c > 0 for c in counts), counts
+    _one_group_on_two_meshes(model, reference)
+
+
+def _one_group_on_two_meshes(model: HeadsLM, reference: HeadsLM) -> None:
+    """One Muon group holding a dp-only param and a dp x tp param equals one process."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from hyper_parallel.core.optimizer import Muon
+
+    names = ("lm_head.weight", "layers.0.down_proj.weight", "layers.1.attn.q_proj.weight")
+    ours, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
+    gen = torch.Generator().manual_seed(7)
+    for name in names:
+        grad = torch.randn(theirs[name].shape, generator=gen)
+        theirs[name].grad = grad
+        p = ours[name]
+        p.grad = distribute_tensor(grad, p.device_mesh, p.placements, src_data_rank=None)
+    assert len({ours[n].device_mesh.ndim for n in names}) == 2  # really two meshes
+    Muon([ours[n] for n in names], lr=0.02).step()
+    Muon([theirs[n] for n in names], lr=0.02).step()
+    _assert_equal_to_one_process(model, reference, "one group, two meshes")
+
+
+def test_fsdp_x_tp_equals_one_process_and_runs_each_newton_schulz_once() -> None:
+    run_distributed(_fsdp_x_tp, world_size=4)
