@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
@@ -193,6 +194,30 @@ def _fsdp(rank: int, world_size: int) -> None:
     _assert_equal_to_one_process(model, reference, f"fsdp x{world_size}")
     if world_size == 4:
         _nothing_param_sized_moves(model)
+    else:
+        _a_layout_no_backend_takes_is_named()
+
+
+def _a_layout_no_backend_takes_is_named() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    from hyper_parallel.core.optimizer import Muon
+
+    mesh = init_device_mesh("cpu", (2,))
+    partial = nn.Parameter(DTensor.from_local(torch.ones(4, 3), mesh, [Partial()]))
+    layout = r"\(shape \(4, 3\), a DTensor with placements \(Partial\(sum\),\) on a 1-D mesh\)"
+    installed = r"installed: ddp, fsdp, hsdp, local"
+    with pytest.raises(
+        ValueError, match=rf"No sharding backend accepts param 0 {layout}; {installed}"
+    ):
+        Muon([partial], lr=0.02)
+    model = nn.Linear(3, 4, bias=False)
+    model.weight = partial
+    with pytest.raises(
+        ValueError, match=rf"No sharding backend accepts weight {layout}; {installed}"
+    ):
+        get_hyper_optimizer(model, optimizers={"muon": {"params": [partial]}})
 
 
 def _nothing_param_sized_moves(model: nn.Module) -> None:

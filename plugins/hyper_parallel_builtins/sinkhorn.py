@@ -150,7 +150,7 @@ def sinkhorn_normalize(
 
 
 class Sinkhorn(torch.optim.Optimizer):
-    r"""Momentum balanced by Sinkhorn row and column normalization, for hidden-layer matrices.
+    r"""Momentum balanced by Sinkhorn row and column normalization, for embeddings and heads.
 
     For each 2-D param :math:`W` of shape :math:`(m, n)` (never transposed),
     with gradient :math:`G` and momentum buffer :math:`B` (zero at first):

@@ -161,7 +161,10 @@ def _describe(params: Sequence[torch.Tensor], names: Mapping[int, str] | None) -
     for index, p in enumerate(params):
         who = (names or {}).get(id(p), f"param {index}")
         if is_dtensor(p):
-            where = f"DTensor{tuple(p.placements)} on a {p.device_mesh.ndim}-D mesh"  # type: ignore[attr-defined]
+            where = (
+                f"a DTensor with placements {tuple(p.placements)} "  # type: ignore[attr-defined]
+                f"on a {p.device_mesh.ndim}-D mesh"  # type: ignore[attr-defined]
+            )
         else:
             where = "a plain tensor"
         described.append(f"{who} (shape {tuple(p.shape)}, {where})")

@@ -77,5 +77,8 @@ def hyper_parallel_register_sharding_backends(register: RegisterFn) -> None:
 
     ``obj`` is a class implementing
     :class:`hyper_parallel.core.distributed.ShardingBackend`: it shards a
-    model and runs a function on the full matrix behind each local shard.
+    model and brings a matrix optimizer's transform the data it needs: whole
+    matrices or row blocks (``map_blocks``), or completed row and column sums
+    (``map_reductions``). An instance is made per param group when an
+    optimizer is built.
     """
