@@ -10,8 +10,8 @@ named coefficient sets, the Moonlight-style RMS target
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, cast, overload
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -19,8 +19,13 @@ from torch.optim.optimizer import ParamsT
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
-from hyper_parallel.core.distributed import GroupBackends, Need, RowBlocks, WholeMatrices
-from hyper_parallel.core.distributed.toolkit import local_tensor, shard_like
+from hyper_parallel.core.distributed import Need, RowBlocks, WholeMatrices
+from hyper_parallel.core.distributed.toolkit import local_tensor
+from hyper_parallel.core.optimizer.matrix import (
+    MatrixOptimizer,
+    by_device_and_dtype,
+    momentum_updates,
+)
 from hyper_parallel.core.plugin import RegisterFn
 from hyper_parallel_builtins.newton_schulz import (
     KELLER_COEFFICIENTS,
@@ -221,15 +226,7 @@ def _check_blocks(options: dict[str, Any]) -> None:
         options["split_rows"] = tuple(split_rows)
 
 
-def _by_device_and_dtype(tensors: list[Tensor]) -> list[list[int]]:
-    """Indices of ``tensors`` grouped so each group can take one foreach call."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    return list(groups.values())
-
-
-class Muon(torch.optim.Optimizer):
+class Muon(MatrixOptimizer):
     r"""Momentum orthogonalized by Newton-Schulz, for hidden-layer matrices.
 
     For each matrix param :math:`\theta` of shape :math:`(m, n)`, with
@@ -322,7 +319,7 @@ class Muon(torch.optim.Optimizer):
         >>> opt.step()
     """
 
-    matrix_only: ClassVar[bool] = True
+    extra_group_defaults: ClassVar[Mapping[str, Any]] = _EXTRA_DEFAULTS
 
     def __init__(
         self,
@@ -360,32 +357,13 @@ class Muon(torch.optim.Optimizer):
             "split_rows": split_rows,
         }
         _check_options(defaults)
-        self._backends = GroupBackends()  # before super() adds the groups
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, checking its options, its params, and their sharding backend."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            _check_options(group)
-            for p in group["params"]:
-                _check_param(p)
-                _need(p.shape, group)
-            self._backends(group)
-        except ValueError:
-            self.param_groups.pop()
-            raise
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        # A state_dict saved by torch.optim.Muon, or before head-wise groups, lacks
-        # the keys only we have.
-        for group in self.param_groups:
-            for key, value in _EXTRA_DEFAULTS.items():
-                group.setdefault(key, self.defaults.get(key, value))
-        if "_backends" not in self.__dict__:
-            self._backends = GroupBackends()
+    def _check_group(self, group: dict[str, Any]) -> None:
+        _check_options(group)
+        for p in group["params"]:
+            _check_param(p)
+            _need(p.shape, group)
 
     def _orthogonalize(self, updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
         """Newton-Schulz of every update in ``group``, scaled by each block's lr adjustment.
@@ -405,7 +383,7 @@ class Muon(torch.optim.Optimizer):
             small, large = min(rows, cols), max(rows, cols)
             return float(group["ns_steps"] * batch * (4 * small * small * large + 2 * small**3))
 
-        return self._backends(group).map_blocks(
+        return self.sharding_backend(group).map_blocks(
             lambda blocks: self._orthogonalize_full(blocks, group),
             updates,
             [_need(u.shape, group) for u in updates],
@@ -470,27 +448,12 @@ class Muon(torch.optim.Optimizer):
             return
         lr = group["lr"]
         lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
-        momentum = group["momentum"]
-        foreach_groups = _by_device_and_dtype(params)
-        # Element-wise work runs on the local shards: for DTensors that skips the
-        # per-op dispatch cost, and the math is the same shard by shard.
-        local_params, local_grads, local_buffers = (
-            [local_tensor(t) for t in ts] for ts in (params, grads, buffers)
-        )
-
-        updates: list[Tensor] = list(buffers)
-        for indices in foreach_groups:
-            group_grads = [local_grads[i] for i in indices]
-            group_buffers = [local_buffers[i] for i in indices]
-            torch._foreach_lerp_(group_buffers, group_grads, 1 - momentum)
-            if group["nesterov"]:
-                looked_ahead = torch._foreach_lerp(group_grads, group_buffers, momentum)
-                for i, update in zip(indices, looked_ahead, strict=True):
-                    updates[i] = shard_like(update, buffers[i])
-
+        updates = momentum_updates(buffers, grads, group["momentum"], group["nesterov"])
         orthogonal = self._orthogonalize(updates, group)
         del updates
 
+        local_params = [local_tensor(p) for p in params]
+        foreach_groups = by_device_and_dtype(local_params)
         decay = 1 - lr * group["weight_decay"]
         if decay != 1:
             for indices in foreach_groups:
@@ -501,30 +464,6 @@ class Muon(torch.optim.Optimizer):
                 [local_tensor(orthogonal[i]) for i in indices],
                 alpha=-lr,
             )
-
-    @overload
-    def step(self, closure: None = None) -> None: ...
-
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Make one update of every param that has a gradient.
-
-        Args:
-            closure: Re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or ``None`` without a closure.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with torch.no_grad():
-            for group in self.param_groups:
-                self._step_group(group)
-        return loss
 
 
 @hookimpl

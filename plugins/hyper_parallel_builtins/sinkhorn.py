@@ -15,25 +15,21 @@ norms, nothing param-sized.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from itertools import chain
-from typing import Any, ClassVar, overload
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from hyper_parallel import hookimpl
-from hyper_parallel.core.distributed import GroupBackends, Reducer
-from hyper_parallel.core.distributed.toolkit import is_dtensor, local_tensor, shard_like
+from hyper_parallel.core.distributed import Reducer
+from hyper_parallel.core.distributed.toolkit import is_dtensor, local_tensor
+from hyper_parallel.core.optimizer.matrix import MatrixOptimizer, momentum_updates
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = ["Sinkhorn", "sinkhorn_normalize", "state_dtype"]
-
-# Group keys a group loaded from an older state_dict may lack, with their defaults.
-_EXTRA_DEFAULTS: Mapping[str, Any] = {
-    "sharding": None,
-}
 
 
 def state_dtype(param: Tensor) -> torch.dtype:
@@ -149,7 +145,7 @@ def sinkhorn_normalize(
     return out
 
 
-class Sinkhorn(torch.optim.Optimizer):
+class Sinkhorn(MatrixOptimizer):
     r"""Momentum balanced by Sinkhorn row and column normalization, for embeddings and heads.
 
     For each 2-D param :math:`W` of shape :math:`(m, n)` (never transposed),
@@ -211,8 +207,6 @@ class Sinkhorn(torch.optim.Optimizer):
         >>> opt.step()
     """
 
-    matrix_only: ClassVar[bool] = True
-
     def __init__(
         self,
         params: ParamsT,
@@ -239,29 +233,12 @@ class Sinkhorn(torch.optim.Optimizer):
             "sharding": sharding,
         }
         _check_options(defaults)
-        self._backends = GroupBackends()  # before super() adds the groups
         super().__init__(params, defaults)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, checking its options, its params, and their sharding backend."""
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            _check_options(group)
-            for p in group["params"]:
-                _check_param(p)
-            self._backends(group)
-        except ValueError:
-            self.param_groups.pop()
-            raise
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        for group in self.param_groups:
-            for key, value in _EXTRA_DEFAULTS.items():
-                group.setdefault(key, self.defaults.get(key, value))
-        if "_backends" not in self.__dict__:
-            self._backends = GroupBackends()
+    def _check_group(self, group: dict[str, Any]) -> None:
+        _check_options(group)
+        for p in group["params"]:
+            _check_param(p)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict``, keeping momentum buffers in their float32 (or float64) dtype.
@@ -329,25 +306,11 @@ class Sinkhorn(torch.optim.Optimizer):
             return
         lr = group["lr"]
         lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
-        momentum = float(group["momentum"])
-        # Element-wise work runs on the local shards, in the buffers' dtype.
-        local_buffers = [local_tensor(b) for b in buffers]
-        local_grads = [
-            local_tensor(g).to(b.dtype) for g, b in zip(grads, local_buffers, strict=True)
-        ]
-        foreach_groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, b in enumerate(local_buffers):
-            foreach_groups.setdefault((b.device, b.dtype), []).append(i)
-
-        updates: list[Tensor] = list(buffers)
-        for indices in foreach_groups.values():
-            group_grads = [local_grads[i] for i in indices]
-            group_buffers = [local_buffers[i] for i in indices]
-            torch._foreach_lerp_(group_buffers, group_grads, 1 - momentum)
-            if group["nesterov"]:
-                looked_ahead = torch._foreach_lerp(group_grads, group_buffers, momentum)
-                for i, update in zip(indices, looked_ahead, strict=True):
-                    updates[i] = shard_like(update, buffers[i])
+        # In the buffers' dtype (float32 for a bf16 param), on the local shards.
+        local_grads = [local_tensor(g).to(b.dtype) for g, b in zip(grads, buffers, strict=True)]
+        updates = momentum_updates(
+            buffers, local_grads, float(group["momentum"]), group["nesterov"]
+        )
         del local_grads
 
         rows = [p.shape[0] for p in params]
@@ -356,37 +319,13 @@ class Sinkhorn(torch.optim.Optimizer):
         def normalize(local: list[Tensor], reducer: Reducer) -> list[Tensor]:
             return sinkhorn_normalize(local, reducer, rows=rows, steps=steps, eps=eps, tau=tau)
 
-        balanced = self._backends(group).map_reductions(normalize, updates)
+        balanced = self.sharding_backend(group).map_reductions(normalize, updates)
         del updates
 
         scale = lr * float(group["correction"])
         for p, u in zip(params, balanced, strict=True):
             # In float32/64, rounded once into the param's dtype.
             local_tensor(p).add_(local_tensor(u), alpha=-scale * math.sqrt(p.shape[1]))
-
-    @overload
-    def step(self, closure: None = None) -> None: ...
-
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Make one update of every param that has a gradient.
-
-        Args:
-            closure: Re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or ``None`` without a closure.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with torch.no_grad():
-            for group in self.param_groups:
-                self._step_group(group)
-        return loss
 
 
 @hookimpl

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.core.optimizer.chained import ChainedOptimizer
 from hyper_parallel.core.optimizer.factory import get_hyper_optimizer
+from hyper_parallel.core.optimizer.matrix import MatrixOptimizer
 from hyper_parallel.core.optimizer.nonfinite import grads_are_finite, step_if_finite
 from hyper_parallel.core.optimizer.scheduler import HyperLRScheduler, get_hyper_lr_scheduler
 
@@ -18,6 +19,7 @@ __all__ = [
     "AdamW",
     "ChainedOptimizer",
     "HyperLRScheduler",
+    "MatrixOptimizer",
     "Muon",
     "Sinkhorn",
     "get_hyper_lr_scheduler",

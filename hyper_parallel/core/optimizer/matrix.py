@@ -1,0 +1,148 @@
+"""``MatrixOptimizer``: the base of optimizers whose update transforms whole matrices.
+
+Muon (Newton-Schulz on whole matrices or head blocks) and Sinkhorn (row and
+column norms) share everything but their transform: momentum on the local
+shards, a sharding backend resolved once per param group, group checks that
+leave nothing half-added, and ``step(closure)``. A third-party matrix
+optimizer subclasses this and gets every layout the installed backends
+handle.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, overload
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
+
+from hyper_parallel.core.distributed import GroupBackends, ShardingBackend
+from hyper_parallel.core.distributed.toolkit import local_tensor, shard_like
+
+__all__ = ["MatrixOptimizer", "by_device_and_dtype", "momentum_updates"]
+
+
+class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
+    """Base class of matrix optimizers: one transform per matrix, on any layout.
+
+    Subclasses implement :meth:`_check_group` and :meth:`_step_group`, and
+    reach the group's data through :meth:`sharding_backend`: its
+    ``map_blocks`` for whole matrices or row blocks, its ``map_reductions``
+    for row and column sums. The backend is resolved when a group is added
+    (so a layout no backend takes fails when the optimizer is built) and
+    again only when the group's params or ``sharding`` option change.
+
+    ``matrix_only = True`` tells ``get_hyper_optimizer`` that params with
+    fewer than two dims belong to another optimizer.
+    """
+
+    matrix_only: ClassVar[bool] = True
+    #: Group keys a state_dict from an older version may lack, with their defaults.
+    extra_group_defaults: ClassVar[Mapping[str, Any]] = {"sharding": None}
+
+    def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        self._backends = GroupBackends()  # before super() adds the groups
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, checking its options, its params and their sharding backend.
+
+        Raises:
+            ValueError: a bad option or param, or a layout no backend takes;
+                the group is not added.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+            self._backends(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.extra_group_defaults.items():
+                group.setdefault(key, self.defaults.get(key, value))
+        if "_backends" not in self.__dict__:
+            self._backends = GroupBackends()
+
+    def sharding_backend(self, group: Mapping[str, Any]) -> ShardingBackend:
+        """The sharding backend of ``group`` (resolved once; see the class docstring)."""
+        return self._backends(group)
+
+    @abc.abstractmethod
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """Raise ``ValueError`` for a bad option or param of a group being added."""
+
+    @abc.abstractmethod
+    def _step_group(self, group: dict[str, Any]) -> None:
+        """Update the params of ``group`` that have a gradient (called under ``no_grad``)."""
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Make one update of every param that has a gradient.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or ``None`` without a closure.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            for group in self.param_groups:
+                self._step_group(group)
+        return loss
+
+
+def by_device_and_dtype(tensors: list[Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped so each group can take one foreach call."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
+
+
+def momentum_updates(
+    buffers: list[Tensor], grads: list[Tensor], momentum: float, nesterov: bool
+) -> list[Tensor]:
+    """Step the momentum buffers in place and return the updates to transform.
+
+    ``B <- momentum * B + (1 - momentum) * G``, then the update is the
+    Nesterov look-ahead ``(1 - momentum) * G + momentum * B`` or ``B``
+    itself. The element-wise work runs on the local shards (skipping
+    DTensor's per-op dispatch), one foreach call per device and dtype.
+
+    Args:
+        buffers: Momentum buffers (DTensors or plain), changed in place.
+        grads: The gradients, in the buffers' dtype and layout.
+        momentum: The momentum factor.
+        nesterov: Return the look-ahead instead of the buffers.
+
+    Returns:
+        One update per buffer, laid out like it.
+    """
+    local_buffers = [local_tensor(b) for b in buffers]
+    local_grads = [local_tensor(g) for g in grads]
+    updates = list(buffers)
+    for indices in by_device_and_dtype(local_buffers):
+        group_grads = [local_grads[i] for i in indices]
+        group_buffers = [local_buffers[i] for i in indices]
+        torch._foreach_lerp_(group_buffers, group_grads, 1 - momentum)
+        if nesterov:
+            looked_ahead = torch._foreach_lerp(group_grads, group_buffers, momentum)
+            for i, update in zip(indices, looked_ahead, strict=True):
+                updates[i] = shard_like(update, buffers[i])
+    return updates
