@@ -4,6 +4,8 @@ environment for one process."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -128,3 +130,22 @@ def model() -> TinyLM:
 def batch() -> torch.Tensor:
     gen = torch.Generator().manual_seed(1)
     return torch.randint(0, 32, (4, 9), generator=gen)
+
+
+@contextmanager
+def counting_newton_schulz() -> Iterator[list[int]]:
+    """Record how many matrices each Newton-Schulz call of Muon gets on this process."""
+    import hyper_parallel_builtins.muon as muon_module
+
+    counted: list[int] = []
+    real = muon_module.newton_schulz_batched
+
+    def counting(matrices: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        counted.append(sum(m.shape[0] for m in matrices))
+        return real(matrices, *args, **kwargs)
+
+    muon_module.newton_schulz_batched = counting  # type: ignore[assignment]
+    try:
+        yield counted
+    finally:
+        muon_module.newton_schulz_batched = real  # type: ignore[assignment]

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 
-from conftest import TinyLM, lm_loss
+from conftest import TinyLM, counting_newton_schulz, lm_loss
 from hyper_parallel.core.distributed.toolkit import assign_owners, exchange_rounds
 from hyper_parallel.core.optimizer import get_hyper_optimizer
 
@@ -134,31 +132,12 @@ def _fsdp_and_hsdp(rank: int, world_size: int) -> None:
         _check_against_one_process(mesh, rows, "hsdp 2x2")
 
 
-@contextmanager
-def _counting_newton_schulz() -> Iterator[list[int]]:
-    """Record how many matrices each batched Newton-Schulz call on this rank gets."""
-    import hyper_parallel_builtins.muon as muon_module
-
-    calls: list[int] = []
-    real = muon_module.newton_schulz_batched
-
-    def counting(matrices: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        calls.append(len(matrices))
-        return real(matrices, *args, **kwargs)
-
-    muon_module.newton_schulz_batched = counting  # type: ignore[assignment]
-    try:
-        yield calls
-    finally:
-        muon_module.newton_schulz_batched = real  # type: ignore[assignment]
-
-
 def _work_is_spread(rank: int, world_size: int) -> None:
     """Every rank runs Newton-Schulz on some matrices, none on all of them."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    with _counting_newton_schulz() as calls:
+    with counting_newton_schulz() as calls:
         torch.manual_seed(0)
         model = TinyLM()
         mesh = init_device_mesh("cpu", (world_size,))
@@ -202,7 +181,7 @@ def _ddp_share(rank: int, world_size: int) -> None:
     model = copy.deepcopy(reference)
     ref_opt = _optimizer(reference)
     _train(reference, ref_opt, _batch())
-    with _counting_newton_schulz() as calls:
+    with counting_newton_schulz() as calls:
         opt = _optimizer(model, sharding="ddp")
         for _ in range(STEPS):  # DDP: the same full-batch grads on every rank
             lm_loss(model, _batch()).backward()

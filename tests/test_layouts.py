@@ -20,7 +20,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from torch import nn
 
-from conftest import RMSNorm, lm_loss
+from conftest import RMSNorm, counting_newton_schulz, lm_loss
 from hyper_parallel.core.optimizer import get_hyper_optimizer
 
 STEPS = 5
@@ -125,25 +125,6 @@ def _assert_equal_to_one_process(model: nn.Module, reference: nn.Module, label: 
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         torch.testing.assert_close(full, q.detach(), rtol=1e-5, atol=1e-5, msg=f"{label}: {name}")
-
-
-@contextmanager
-def _counting_newton_schulz() -> Iterator[list[int]]:
-    """Record how many matrices Newton-Schulz gets on this rank."""
-    import hyper_parallel_builtins.muon as muon_module
-
-    counted: list[int] = []
-    real = muon_module.newton_schulz_batched
-
-    def counting(matrices: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        counted.append(sum(m.shape[0] for m in matrices))
-        return real(matrices, *args, **kwargs)
-
-    muon_module.newton_schulz_batched = counting  # type: ignore[assignment]
-    try:
-        yield counted
-    finally:
-        muon_module.newton_schulz_batched = real  # type: ignore[assignment]
 
 
 _COLLECTIVES = ("all_reduce", "all_to_all_single", "broadcast", "all_gather_into_tensor",
@@ -286,9 +267,9 @@ def _fsdp_x_tp(rank: int, world_size: int) -> None:
     fully_shard(model, mesh=mesh["dp"])
     dp = mesh.get_local_rank("dp")
 
-    with _counting_newton_schulz() as one_process:
+    with counting_newton_schulz() as one_process:
         _train(reference, _optimizer(reference), _batch())
-    with _counting_newton_schulz() as sharded:
+    with counting_newton_schulz() as sharded:
         _train(model, _optimizer(model), _batch()[dp * 2 : dp * 2 + 2])
     _assert_equal_to_one_process(model, reference, "fsdp x tp")
 
