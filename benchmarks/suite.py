@@ -79,6 +79,8 @@ class Settings:
     peers: bool = True
     dist_dim: int = 512
     dist_layers: int = 4
+    dist_tp_dim: int = 256  # FSDP x TP rows: 4 processes, so smaller
+    dist_tp_layers: int = 2
     quick_flag: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -364,14 +366,17 @@ def case_chained(settings: Settings) -> Iterator[Row]:
 
 
 def case_distributed(settings: Settings) -> Iterator[Row]:
-    """Distributed Muon at 2 ranks (benchmarks/distributed_muon.py) and state per rank."""
+    """Distributed Muon (benchmarks/distributed_muon.py): FSDP at 2 ranks, FSDP x TP at 4."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "dist.json"
         args = ["--dim", str(settings.dist_dim), "--layers", str(settings.dist_layers),
-                "--repeats", str(max(1, settings.repeats // 2 + 1)), "--json", str(out)]  # fmt: skip
-        command = "python -m benchmarks.distributed_muon " + " ".join(args[:-2])
-        result = subprocess.run([sys.executable, "-m", "benchmarks.distributed_muon", *args],
-                                cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+                "--tp-dim", str(settings.dist_tp_dim), "--tp-layers", str(settings.dist_tp_layers),
+                "--repeats", str(max(1, settings.repeats // 2 + 1))]  # fmt: skip
+        if not settings.peers:
+            args.append("--skip-torch")
+        command = "python -m benchmarks.distributed_muon " + " ".join(args)
+        result = subprocess.run([sys.executable, "-m", "benchmarks.distributed_muon", *args,
+                                 "--json", str(out)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
         if result.returncode != 0:
             yield Row("Distributed Muon, 2 ranks", "ours", None, "-", None, "s",
                       note=result.stderr.strip().splitlines()[-1][:120], command=command)  # fmt: skip
@@ -390,6 +395,12 @@ def case_distributed(settings: Settings) -> Iterator[Row]:
     yield Row("Muon state per rank (MiB), same run", "ours, per rank", state["ours"] / 2**20,
               "one process", state["one_process"] / 2**20, "MiB", "<= 0.5",
               "momentum buffers only, local shards", command)  # fmt: skip
+    tp = data["fsdp_tp"]
+    yield Row(f"Distributed Muon step on FSDP x TP, 4 ranks (dp=2, tp=2) x 1 thread, gloo, "
+              f"d={tp['dim']} x {tp['layers']} layers", "ours (fsdp, owner per matrix)",
+              tp["seconds"]["ours"], "every rank gathers every matrix",
+              tp["seconds"]["gather_all"], "s", "",
+              f"same run; 4 processes on {os.cpu_count()} cores", command)  # fmt: skip
 
 
 _IMPORT_TORCH = "import torch"
@@ -573,7 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings()
     if args.quick:
         settings = Settings(dims=(256,), layers=4, repeats=3, dist_dim=256, dist_layers=2,
-                            quick_flag="--quick")  # fmt: skip
+                            dist_tp_dim=128, quick_flag="--quick")  # fmt: skip
     if args.dims:
         settings.dims = tuple(int(d) for d in args.dims.split(","))
     if args.layers:

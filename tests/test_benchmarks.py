@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.suite import Row, format_table, plot_label, transformer_shapes
+from benchmarks.suite import (
+    Row,
+    Settings,
+    case_distributed,
+    format_table,
+    plot_label,
+    transformer_shapes,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,6 +50,23 @@ def test_entry_point_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     again = _bench("--from-json", str(out))
     assert again.returncode == 0, again.stderr[-3000:]
     assert [line for line in again.stdout.splitlines() if line.startswith("| ")] == table
+
+
+def test_distributed_case_runs_fsdp_and_fsdp_x_tp_rows() -> None:
+    # Tiny sizes: this checks the benchmark runs (and that ours and the gather-all
+    # baseline agree, which it asserts itself), never its timings.
+    settings = Settings(repeats=1, peers=False, dist_dim=32, dist_layers=1,
+                        dist_tp_dim=32, dist_tp_layers=1)  # fmt: skip
+    rows = list(case_distributed(settings))
+    assert all(r.ours is not None and r.peer is not None for r in rows), rows[0].note
+    peers = [r.peer_label for r in rows]
+    assert peers == ["one process, 1 thread", "every rank gathers every matrix", "one process",
+                     "every rank gathers every matrix"]  # fmt: skip
+    assert rows[-1].case.startswith("Distributed Muon step on FSDP x TP, 4 ranks (dp=2, tp=2)")
+    assert rows[-1].command == (
+        "python -m benchmarks.distributed_muon --dim 32 --layers 1 --tp-dim 32 --tp-layers 1 "
+        "--repeats 1 --skip-torch"
+    )
 
 
 def test_unknown_case_is_an_error_naming_the_cases() -> None:
