@@ -59,6 +59,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 from torch.optim import Optimizer
 
+from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelValueError
+
 __all__ = [
     "CheckpointError",
     "CheckpointManager",
@@ -74,7 +76,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _GROUP_TENSOR_PREFIX = "groups"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(HyperParallelRuntimeError):
     """A checkpoint is missing, malformed, or does not fit the objects given."""
 
 
@@ -450,7 +452,9 @@ class CheckpointManager:
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = None) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or keep_last < 1):
-            raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}.")
+            raise HyperParallelValueError(
+                f"keep_last must be an int >= 1 or None, got {keep_last!r}."
+            )
         self.root = Path(root)
         self.keep_last = keep_last
 

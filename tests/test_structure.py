@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import builtins
 from pathlib import Path
 
 import hyper_parallel
@@ -31,3 +32,50 @@ def test_no_hyper_parallel_module_imports_a_builtin_plugin() -> None:
     offenders = {path: mods for path, mods in offenders.items() if mods}
     assert not offenders, f"these modules import built-in plugins by path: {offenders}"
     assert len(list(PACKAGE.rglob("*.py"))) > 20  # the scan saw the package
+
+
+# Python's own protocols: a module's __getattr__ must raise AttributeError, the testing
+# helpers fail a test with AssertionError, the command line exits with SystemExit.
+_PROTOCOL_ERRORS = {"AttributeError", "AssertionError", "SystemExit"}
+
+
+def _builtin_raises(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Raise) or node.exc is None:
+            continue
+        target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+        name = target.id if isinstance(target, ast.Name) else ""
+        builtin = getattr(builtins, name, None)
+        is_error = isinstance(builtin, type) and issubclass(builtin, BaseException)
+        if is_error and name not in _PROTOCOL_ERRORS:
+            found.append(f"{path.name}:{node.lineno} raises {name}")
+    return found
+
+
+def test_every_error_raised_is_a_hyper_parallel_error() -> None:
+    import hyper_parallel_builtins
+
+    roots = [PACKAGE, Path(hyper_parallel_builtins.__file__).parent]
+    found = [
+        hit
+        for root in roots
+        for path in sorted(root.rglob("*.py"))
+        for hit in _builtin_raises(path)
+    ]
+    assert not found, "raise a hyper_parallel.core.errors class instead: " + ", ".join(found)
+
+
+def test_the_domain_errors_are_hyper_parallel_errors_with_their_old_bases() -> None:
+    from hyper_parallel.checkpoint import CheckpointError
+    from hyper_parallel.core.errors import HyperParallelError
+    from hyper_parallel.train.data import DataError
+    from hyper_parallel.train.loop import TrainError
+
+    for error, base in (
+        (CheckpointError, RuntimeError),
+        (TrainError, ValueError),
+        (DataError, ValueError),
+    ):
+        assert issubclass(error, HyperParallelError) and issubclass(error, base), error

@@ -7,6 +7,8 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from hyper_parallel.core.errors import HyperParallelTypeError
+
 __all__ = ["accepted_keywords", "check_keywords", "did_you_mean"]
 
 
@@ -55,7 +57,7 @@ def check_keywords(given: Mapping[str, Any], accepted: Iterable[str] | None, *, 
     accepted = sorted(set(accepted))
     for key in given:
         if key not in accepted:
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"Unknown keyword argument {key!r} for {where}.{did_you_mean(key, accepted)}"
                 f" Accepted: {', '.join(accepted) or '(none)'}."
             )

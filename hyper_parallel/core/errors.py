@@ -1,6 +1,10 @@
 """Exceptions raised by hyper_parallel.
 
-Every error says what was asked, what exists, and what to do about it.
+Every error says what was asked, what exists, and what to do about it, and
+every one derives from :class:`HyperParallelError`, so ``except
+HyperParallelError`` catches all of them. Each also keeps the built-in base
+its kind of failure has always had (``ValueError``, ``TypeError``, ...), so
+``except ValueError`` keeps working.
 """
 
 from __future__ import annotations
@@ -8,6 +12,11 @@ from __future__ import annotations
 __all__ = [
     "DuplicatePluginError",
     "HyperParallelError",
+    "HyperParallelImportError",
+    "HyperParallelKeyError",
+    "HyperParallelRuntimeError",
+    "HyperParallelTypeError",
+    "HyperParallelValueError",
     "PluginError",
     "PluginLoadError",
     "UnknownPluginError",
@@ -16,6 +25,26 @@ __all__ = [
 
 class HyperParallelError(Exception):
     """Base class of every exception hyper_parallel raises on its own account."""
+
+
+class HyperParallelValueError(HyperParallelError, ValueError):
+    """An argument or option has a value hyper_parallel cannot use."""
+
+
+class HyperParallelTypeError(HyperParallelError, TypeError):
+    """An argument has a type hyper_parallel cannot use."""
+
+
+class HyperParallelRuntimeError(HyperParallelError, RuntimeError):
+    """An operation cannot go ahead in the current state (non-finite norms, a device mismatch)."""
+
+
+class HyperParallelKeyError(HyperParallelError, KeyError):
+    """A key (a param, a sub-optimizer) is not where it was looked up."""
+
+
+class HyperParallelImportError(HyperParallelError, ImportError):
+    """An optional dependency (``torch_npu``) is missing."""
 
 
 class PluginError(HyperParallelError):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from hyper_parallel.core.errors import HyperParallelValueError
+
 __all__ = [
     "SYNTHETIC_ALPHABET",
     "DataError",
@@ -53,7 +55,7 @@ _HELD_OUT_MOD = 7
 _HELD_OUT_REMAINDER = 3
 
 
-class DataError(ValueError):
+class DataError(HyperParallelValueError):
     """The training data cannot be used (missing, empty or binary file)."""
 
 

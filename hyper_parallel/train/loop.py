@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 import torch
 
-from hyper_parallel.core.errors import HyperParallelError
+from hyper_parallel.core.errors import HyperParallelError, HyperParallelValueError
 from hyper_parallel.core.optimizer import (
     ChainedOptimizer,
     get_hyper_lr_scheduler,
@@ -33,7 +33,7 @@ _MAX_SKIPS_IN_A_ROW = 10
 MUON_ADAMW = "muon+adamw"
 
 
-class TrainError(ValueError):
+class TrainError(HyperParallelValueError):
     """A training option or input that cannot be used; the message says which and why."""
 
 

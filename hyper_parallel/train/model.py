@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from hyper_parallel.core.errors import HyperParallelValueError
+
 __all__ = ["DecoderBlock", "GPTConfig", "TinyGPT"]
 
 
@@ -31,10 +33,10 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.dim % self.heads:
-            raise ValueError(f"dim={self.dim} is not divisible by heads={self.heads}")
+            raise HyperParallelValueError(f"dim={self.dim} is not divisible by heads={self.heads}")
         for name in ("vocab_size", "seq_len", "dim", "layers", "heads", "mlp_hidden"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise HyperParallelValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 class RMSNorm(nn.Module):
@@ -114,7 +116,9 @@ class TinyGPT(nn.Module):
         """Logits of shape ``(batch, seq, vocab)`` for token ids ``(batch, seq)``."""
         t = ids.shape[1]
         if t > self.config.seq_len:
-            raise ValueError(f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}")
+            raise HyperParallelValueError(
+                f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}"
+            )
         x = self.embed_tokens(ids) + self.embed_positions(torch.arange(t, device=ids.device))
         for block in self.layers:
             x = block(x)

@@ -52,6 +52,7 @@ from hyper_parallel.core.distributed.toolkit import (
     map_held_blocks,
     shard_like,
 )
+from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.plugin import RegisterFn
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ class HSDPBackend(FSDPBackend):
     def shard_model(self, module: nn.Module, **options: Any) -> nn.Module:
         mesh = options.get("mesh")
         if mesh is not None and mesh.ndim != 2:
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"The 'hsdp' backend shards over a 2-D (replicate, shard) mesh; got a "
                 f"{mesh.ndim}-D mesh. Use 'fsdp' for a 1-D mesh."
             )

@@ -25,6 +25,7 @@ from hyper_parallel.core.distributed.toolkit import (
     is_dtensor,
     map_held_blocks,
 )
+from hyper_parallel.core.errors import HyperParallelTypeError
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = ["DDPBackend", "LocalBackend"]
@@ -47,7 +48,7 @@ class LocalBackend(ShardingBackend):
 
     def shard_model(self, module: nn.Module, **options: Any) -> nn.Module:
         if options:
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"The 'local' backend does not shard and takes no options; got {sorted(options)}. "
                 "Select a sharding backend by name to shard a model (hyper-parallel plugins "
                 "lists the installed ones)."

@@ -21,6 +21,7 @@ from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.distributed import Need, RowBlocks, WholeMatrices
 from hyper_parallel.core.distributed.toolkit import local_tensor
+from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelValueError
 from hyper_parallel.core.optimizer.matrix import (
     MatrixOptimizer,
     by_device_and_dtype,
@@ -79,7 +80,9 @@ def matrix_shape(shape: torch.Size | tuple[int, ...], matrix_view: str) -> tuple
     dims but the last two are batch dims.
     """
     if len(shape) < 2:
-        raise ValueError(f"Muon needs params with at least 2 dims, got shape {tuple(shape)}.")
+        raise HyperParallelValueError(
+            f"Muon needs params with at least 2 dims, got shape {tuple(shape)}."
+        )
     if len(shape) == 2:
         return 1, shape[0], shape[1]
     if matrix_view == "flatten" or (matrix_view == "auto" and len(shape) >= 4):
@@ -105,29 +108,35 @@ def _check_options(options: dict[str, Any]) -> None:
     """Raise ``ValueError`` for an out-of-range or unknown hyperparameter."""
     lr = options["lr"]
     if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError(f"A tensor lr must have 1 element, got shape {tuple(lr.shape)}.")
+        raise HyperParallelValueError(
+            f"A tensor lr must have 1 element, got shape {tuple(lr.shape)}."
+        )
     if not lr >= 0.0:
-        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        raise HyperParallelValueError(f"Learning rate should be >= 0 but is: {lr}")
     if not options["momentum"] >= 0.0:
-        raise ValueError(f"momentum should be >= 0 but is: {options['momentum']}")
+        raise HyperParallelValueError(f"momentum should be >= 0 but is: {options['momentum']}")
     if not options["weight_decay"] >= 0.0:
-        raise ValueError(f"weight decay should be >= 0 but is: {options['weight_decay']}")
+        raise HyperParallelValueError(
+            f"weight decay should be >= 0 but is: {options['weight_decay']}"
+        )
     if not options["eps"] > 0.0:
-        raise ValueError(f"eps should be > 0 but is: {options['eps']}")
+        raise HyperParallelValueError(f"eps should be > 0 but is: {options['eps']}")
     resolve_coefficients(options["ns_coefficients"], options["ns_steps"])
 
     adjust = options["adjust_lr_fn"]
     if adjust is not None and adjust not in ADJUST_LR_FNS:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Unknown adjust_lr_fn {adjust!r}. Use None, {', '.join(map(repr, ADJUST_LR_FNS))}."
             f"{did_you_mean(str(adjust), ADJUST_LR_FNS)}"
         )
     rms = options["matched_adamw_rms"]
     if rms is not None:
         if isinstance(rms, bool) or not isinstance(rms, (int, float)) or not rms > 0:
-            raise ValueError(f"matched_adamw_rms should be a float > 0 or None, got {rms!r}.")
+            raise HyperParallelValueError(
+                f"matched_adamw_rms should be a float > 0 or None, got {rms!r}."
+            )
         if adjust == "original":
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"matched_adamw_rms={rms} scales the update to match AdamW's RMS, which "
                 "contradicts adjust_lr_fn='original'; give one of them (set the other to None)."
             )
@@ -135,16 +144,18 @@ def _check_options(options: dict[str, Any]) -> None:
     if ns_dtype is not None and (
         not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point
     ):
-        raise ValueError(
+        raise HyperParallelValueError(
             f"ns_dtype should be a floating-point torch.dtype or None, got {ns_dtype!r}."
         )
     sharding = options["sharding"]
     if sharding is not None and not isinstance(sharding, str):
-        raise ValueError(f"sharding should be a backend name or None, got {sharding!r}.")
+        raise HyperParallelValueError(
+            f"sharding should be a backend name or None, got {sharding!r}."
+        )
     _check_blocks(options)
     view = options["matrix_view"]
     if view not in MATRIX_VIEWS:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Unknown matrix_view {view!r}. Available: {', '.join(MATRIX_VIEWS)}."
             f"{did_you_mean(str(view), MATRIX_VIEWS)}"
         )
@@ -162,14 +173,14 @@ def lr_scale(rows: int, cols: int, group: Mapping[str, Any]) -> float:
 
 def _check_param(param: Tensor) -> None:
     if param.ndim < 2:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Muon only updates matrices, but got a param of shape {tuple(param.shape)} "
             f"({param.ndim}-D). Optimize params with fewer than 2 dims (biases, norm weights) "
             "with AdamW: e.g. get_hyper_optimizer(model, partitioner='by_shape'), or put them "
             "in adamw_params."
         )
     if param.is_complex():
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Muon does not support complex params (got {param.dtype}, shape "
             f"{tuple(param.shape)}); optimize them with AdamW or view them as real."
         )
@@ -183,7 +194,7 @@ def _row_heights(shape: torch.Size, group: Mapping[str, Any]) -> tuple[int, ...]
     rows = shape[_batch_dims(len(shape), group["matrix_view"])]
     blocks = tuple(split_rows) if split_rows is not None else (rows,)
     if sum(blocks) != rows:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"split_rows={blocks} adds up to {sum(blocks)} rows, but the param of shape "
             f"{tuple(shape)} has {rows}; give one row count per fused part (e.g. q, k, v)."
         )
@@ -192,7 +203,7 @@ def _row_heights(shape: torch.Size, group: Mapping[str, Any]) -> tuple[int, ...]
     for block in blocks:
         if block % head_dim:
             where = "its" if split_rows is None else "the split_rows block of"
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"head_dim={head_dim} does not divide {where} {block} rows of the param of shape "
                 f"{tuple(shape)}; give the head size of this projection, or put the param in a "
                 "group without head_dim."
@@ -213,16 +224,20 @@ def _check_blocks(options: dict[str, Any]) -> None:
     if head_dim is not None and (
         isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0
     ):
-        raise ValueError(f"head_dim should be a positive int or None, got {head_dim!r}.")
+        raise HyperParallelValueError(
+            f"head_dim should be a positive int or None, got {head_dim!r}."
+        )
     if split_rows is not None:
         if isinstance(split_rows, (str, bytes)) or not isinstance(split_rows, Sequence):
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"split_rows should be a tuple of row counts or None, got {split_rows!r}."
             )
         if not split_rows or any(
             isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in split_rows
         ):
-            raise ValueError(f"split_rows should hold positive ints, got {split_rows!r}.")
+            raise HyperParallelValueError(
+                f"split_rows should hold positive ints, got {split_rows!r}."
+            )
         options["split_rows"] = tuple(split_rows)
 
 
@@ -428,7 +443,7 @@ class Muon(MatrixOptimizer):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                raise RuntimeError(
+                raise HyperParallelRuntimeError(
                     f"Muon does not support sparse gradients (param of shape {tuple(p.shape)}); "
                     "use a dense gradient, or SparseAdam for sparse embeddings."
                 )

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from hyper_parallel.core._suggest import did_you_mean
+from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelValueError
 
 __all__ = [
     "COEFFICIENT_SETS",
@@ -94,9 +95,13 @@ def _is_real(value: object) -> bool:
 
 def _as_triple(value: object, where: str) -> Coefficients:
     if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 3:
-        raise ValueError(f"{where} must be a triple (a, b, c) of floats, got {value!r}.")
+        raise HyperParallelValueError(
+            f"{where} must be a triple (a, b, c) of floats, got {value!r}."
+        )
     if not all(_is_real(v) for v in value):
-        raise ValueError(f"{where} must be a triple (a, b, c) of floats, got {value!r}.")
+        raise HyperParallelValueError(
+            f"{where} must be a triple (a, b, c) of floats, got {value!r}."
+        )
     a, b, c = (float(v) for v in value)
     return (a, b, c)
 
@@ -117,13 +122,13 @@ def resolve_coefficients(spec: CoefficientSpec, ns_steps: int) -> tuple[Coeffici
             malformed triple, or ``ns_steps`` out of range.
     """
     if not isinstance(ns_steps, int) or isinstance(ns_steps, bool):
-        raise ValueError(f"ns_steps must be an int, got {ns_steps!r}.")
+        raise HyperParallelValueError(f"ns_steps must be an int, got {ns_steps!r}.")
     if not 1 <= ns_steps <= MAX_NS_STEPS:
-        raise ValueError(f"ns_steps must be in 1..{MAX_NS_STEPS}, got {ns_steps}.")
+        raise HyperParallelValueError(f"ns_steps must be in 1..{MAX_NS_STEPS}, got {ns_steps}.")
     if isinstance(spec, str):
         key = spec.strip().lower().replace("-", "_")
         if key not in COEFFICIENT_SETS:
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"Unknown Newton-Schulz coefficient set {spec!r}. Available: "
                 f"{', '.join(sorted(COEFFICIENT_SETS))}.{did_you_mean(key, COEFFICIENT_SETS)} "
                 "Or pass a triple (a, b, c), or a sequence of triples (one per iteration)."
@@ -134,7 +139,7 @@ def resolve_coefficients(spec: CoefficientSpec, ns_steps: int) -> tuple[Coeffici
     elif isinstance(spec, Sequence) and len(spec) > 0:
         triples = tuple(_as_triple(t, f"ns_coefficients[{i}]") for i, t in enumerate(spec))
     else:
-        raise ValueError(
+        raise HyperParallelValueError(
             "ns_coefficients must be a coefficient-set name "
             f"({', '.join(sorted(COEFFICIENT_SETS))}), a triple (a, b, c), or a non-empty "
             f"sequence of triples; got {spec!r}."
@@ -299,18 +304,18 @@ def newton_schulz_batched(
         return []
     first = matrices[0]
     if first.ndim < 2:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Newton-Schulz needs matrices, got a tensor of shape {tuple(first.shape)}."
         )
     rows, cols = first.shape[-2], first.shape[-1]
     for m in matrices:
         if m.shape[-2:] != first.shape[-2:] or m.device != first.device:
-            raise ValueError(
+            raise HyperParallelValueError(
                 "newton_schulz_batched needs matrices of one shape on one device; got "
                 f"{tuple(first.shape[-2:])} on {first.device} and {tuple(m.shape[-2:])} on {m.device}."
             )
     if torch.is_grad_enabled() and any(m.requires_grad for m in matrices):
-        raise RuntimeError(
+        raise HyperParallelRuntimeError(
             "Newton-Schulz is not differentiable (it iterates in place on work buffers), but a "
             "matrix requires grad. Call it under torch.no_grad() or pass matrix.detach()."
         )

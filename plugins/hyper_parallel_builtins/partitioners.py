@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hyper_parallel import hookimpl
+from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_MUON_KEYS", "by_module", "by_name", "by_shape"]
@@ -93,15 +94,17 @@ def _head_ids(model: nn.Module, head_names: Sequence[str]) -> set[int]:
 
 def _check_options(model: nn.Module, matrix_optimizer: str, fallback_optimizer: str) -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"A partitioner needs an nn.Module, got {type(model).__name__}.")
+        raise HyperParallelTypeError(
+            f"A partitioner needs an nn.Module, got {type(model).__name__}."
+        )
     for label, value in (
         ("matrix_optimizer", matrix_optimizer),
         ("fallback_optimizer", fallback_optimizer),
     ):
         if not isinstance(value, str) or not value:
-            raise ValueError(f"{label} must be an optimizer name, got {value!r}.")
+            raise HyperParallelValueError(f"{label} must be an optimizer name, got {value!r}.")
     if matrix_optimizer == fallback_optimizer:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"matrix_optimizer and fallback_optimizer are both {matrix_optimizer!r}; "
             "a partitioner splits params between two different optimizers."
         )
@@ -167,7 +170,7 @@ def by_name(
         try:
             regex = re.compile(pattern)
         except re.error as exc:
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"by_name pattern {pattern!r} is not a valid regular expression: {exc}"
             ) from exc
 
@@ -175,7 +178,7 @@ def by_name(
             return regex.search(name) is not None
     else:
         if isinstance(keys, str) or not keys or not all(isinstance(k, str) and k for k in keys):
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"by_name keys must be a non-empty list of non-empty str, got {keys!r}."
             )
         key_list = tuple(keys)

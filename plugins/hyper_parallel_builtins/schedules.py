@@ -28,6 +28,7 @@ import numbers
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
+from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = [
@@ -55,7 +56,7 @@ def _real(schedule: str, option: str, value: object) -> float:
     """``value`` as a float; ``TypeError`` naming the option when it is not a number."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
-    raise TypeError(
+    raise HyperParallelTypeError(
         f"LR schedule {schedule!r}: {option} must be a number, got {type(value).__name__} "
         f"{value!r}."
     )
@@ -64,7 +65,7 @@ def _real(schedule: str, option: str, value: object) -> float:
 def _check_min_lr_ratio(schedule: str, value: object) -> float:
     ratio = _real(schedule, "min_lr_ratio", value)
     if not 0.0 <= ratio <= 1.0:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"LR schedule {schedule!r}: min_lr_ratio must be in [0, 1] (the final lr as a "
             f"fraction of each group's peak lr), got {value!r}."
         )
@@ -74,7 +75,7 @@ def _check_min_lr_ratio(schedule: str, value: object) -> float:
 def _check_positive(schedule: str, option: str, value: object) -> float:
     number = _real(schedule, option, value)
     if not math.isfinite(number) or number <= 0:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"LR schedule {schedule!r}: {option} must be a positive number, got {value!r}."
         )
     return number
@@ -236,14 +237,14 @@ def inverse_sqrt(
 def _wsd_shape(value: object) -> str:
     choices = f"Choose one of: {', '.join(WSD_DECAY_SHAPES)} (or '1-sqrt' for 'minus_sqrt')."
     if not isinstance(value, str):
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"LR schedule 'wsd': decay_shape must be a str, got {type(value).__name__} "
             f"{value!r}. {choices}"
         )
     key = value.strip().lower().replace("-", "_")
     key = _WSD_SHAPE_ALIASES.get(key, key)
     if key not in WSD_DECAY_SHAPES:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"LR schedule 'wsd': unknown decay_shape {value!r}."
             f"{did_you_mean(key, WSD_DECAY_SHAPES)} {choices}"
         )
@@ -256,17 +257,17 @@ def _wsd_decay_steps(
     after_warmup = total_steps - warmup_steps
     if decay_steps is not None:
         if decay_fraction is not None:
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"LR schedule 'wsd': give decay_steps or decay_fraction, not both "
                 f"(got decay_steps={decay_steps!r}, decay_fraction={decay_fraction!r})."
             )
         if isinstance(decay_steps, bool) or not isinstance(decay_steps, numbers.Integral):
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"LR schedule 'wsd': decay_steps must be an int, got "
                 f"{type(decay_steps).__name__} {decay_steps!r}."
             )
         if not 1 <= decay_steps <= after_warmup:
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"LR schedule 'wsd': decay_steps must be between 1 and total_steps - "
                 f"warmup_steps = {after_warmup}, got {decay_steps}."
             )
@@ -277,7 +278,7 @@ def _wsd_decay_steps(
         else _real("wsd", "decay_fraction", decay_fraction)
     )
     if not 0.0 < fraction <= 1.0:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"LR schedule 'wsd': decay_fraction must be in (0, 1] (the share of the steps "
             f"after warmup spent decaying), got {decay_fraction!r}."
         )

@@ -26,6 +26,7 @@ from torch.optim.optimizer import ParamsT
 from hyper_parallel import hookimpl
 from hyper_parallel.core.distributed import Reducer
 from hyper_parallel.core.distributed.toolkit import is_dtensor, local_tensor
+from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer.matrix import MatrixOptimizer, momentum_updates
 from hyper_parallel.core.plugin import RegisterFn
 
@@ -46,55 +47,61 @@ def _check_options(options: Mapping[str, Any]) -> None:
     lr = options["lr"]
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
-            raise ValueError(f"A tensor lr must have 1 element, got shape {tuple(lr.shape)}.")
+            raise HyperParallelValueError(
+                f"A tensor lr must have 1 element, got shape {tuple(lr.shape)}."
+            )
     elif not _is_real(lr):
-        raise ValueError(f"lr should be a float >= 0 (or a 1-element tensor), got {lr!r}.")
+        raise HyperParallelValueError(
+            f"lr should be a float >= 0 (or a 1-element tensor), got {lr!r}."
+        )
     if not lr >= 0.0:
-        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        raise HyperParallelValueError(f"Learning rate should be >= 0 but is: {lr}")
 
     weight_decay = options["weight_decay"]
     if not _is_real(weight_decay) or weight_decay != 0:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Sinkhorn has no weight decay, but got weight_decay={weight_decay!r}. Set "
             "weight_decay=0; to decay these params, use AdamW's decoupled weight decay "
             "(give them to adamw)."
         )
     momentum = options["momentum"]
     if not _is_real(momentum) or not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum should be a float in [0, 1), got {momentum!r}.")
+        raise HyperParallelValueError(f"momentum should be a float in [0, 1), got {momentum!r}.")
     steps = options["steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0 or steps % 2 == 0:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"steps should be an odd int >= 1 (one row normalization, then (steps - 1) / 2 "
             f"column and row sweeps), got {steps!r}; e.g. 11."
         )
     eps = options["eps"]
     if not _is_real(eps) or not eps > 0.0:
-        raise ValueError(f"eps should be a float > 0, got {eps!r}.")
+        raise HyperParallelValueError(f"eps should be a float > 0, got {eps!r}.")
     tau = options["tau"]
     if not _is_real(tau) or not tau >= 0.0:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"tau should be a float >= 0 (rows with norm <= tau * mean row norm stay still), "
             f"got {tau!r}."
         )
     correction = options["correction"]
     if not _is_real(correction) or not correction > 0.0:
-        raise ValueError(f"correction should be a float > 0, got {correction!r}.")
+        raise HyperParallelValueError(f"correction should be a float > 0, got {correction!r}.")
     sharding = options["sharding"]
     if sharding is not None and not isinstance(sharding, str):
-        raise ValueError(f"sharding should be a backend name or None, got {sharding!r}.")
+        raise HyperParallelValueError(
+            f"sharding should be a backend name or None, got {sharding!r}."
+        )
 
 
 def _check_param(param: Tensor) -> None:
     if param.ndim != 2:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Sinkhorn only updates 2-D matrices (it normalizes their rows and columns), but got "
             f"a param of shape {tuple(param.shape)} ({param.ndim}-D). Give params with fewer "
             "than 2 dims (biases, norm weights) to AdamW, e.g. with get_hyper_optimizer, which "
             "moves them there; give N-D params (conv kernels, expert stacks) to Muon or AdamW."
         )
     if param.is_complex() or not param.is_floating_point():
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Sinkhorn needs real floating-point params, got {param.dtype} for the param of "
             f"shape {tuple(param.shape)}; optimize it with AdamW or view it as real."
         )
@@ -276,12 +283,12 @@ class Sinkhorn(MatrixOptimizer):
             if grad is None:
                 continue
             if grad.is_sparse:
-                raise ValueError(
+                raise HyperParallelValueError(
                     f"Sinkhorn does not support sparse gradients (param of shape "
                     f"{tuple(p.shape)}); use a dense gradient, or SparseAdam for sparse embeddings."
                 )
             if is_dtensor(grad) and any(pl.is_partial() for pl in grad.placements):  # type: ignore[attr-defined]
-                raise ValueError(
+                raise HyperParallelValueError(
                     f"The gradient of the param of shape {tuple(p.shape)} is a Partial DTensor "
                     f"(placements {grad.placements}): its row and column norms need the reduced "  # type: ignore[attr-defined]
                     "gradient. Reduce it first (redistribute it to Shard or Replicate, as FSDP's "

@@ -13,6 +13,7 @@ from torch import nn
 from hyper_parallel.core.distributed._dtensor import is_dtensor, local_tensor, shard_like
 from hyper_parallel.core.distributed.needs import Need
 from hyper_parallel.core.distributed.toolkit import Reducer
+from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.plugin import PluginKind, get_registry
 
 __all__ = [
@@ -136,7 +137,7 @@ def resolve_backend(
         backend: ShardingBackend = entry.obj()
         if not backend.accepts(params):
             misfits = [p for p in params if not backend.accepts([p])] or list(params)
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"Sharding backend {entry.name!r} ({origin}={name!r}) does not match the params: "
                 f"{_describe(misfits, param_names)}. Shard the model with that backend first, or "
                 "pick the backend that matches (leave sharding unset to detect it)."
@@ -149,7 +150,7 @@ def resolve_backend(
         if backend.accepts(params):
             return backend
     orphans = [p for p in params if not any(b.accepts([p]) for b in candidates)]
-    raise ValueError(
+    raise HyperParallelValueError(
         f"No sharding backend accepts {_describe(orphans or params, param_names)}; installed: "
         f"{', '.join(e.name for e in entries) or '(none)'}. Lay these params out as one of "
         "them expects, or install a backend plugin for this layout."

@@ -55,6 +55,12 @@ from torch.optim import Optimizer
 # torch's own rule for where foreach kernels exist (the one its clip_grad_norm_ uses).
 from torch.utils._foreach_utils import _device_has_foreach_support
 
+from hyper_parallel.core.errors import (
+    HyperParallelRuntimeError,
+    HyperParallelTypeError,
+    HyperParallelValueError,
+)
+
 __all__ = ["ParamSource", "clip_grad_norm_"]
 
 #: What ``clip_grad_norm_`` takes params from: a tensor, tensors, an optimizer,
@@ -201,9 +207,9 @@ def _check_max_norm(max_norm: float) -> float:
     try:
         value = float(max_norm)
     except (TypeError, ValueError):
-        raise TypeError(f"max_norm must be a number, got {max_norm!r}.") from None
+        raise HyperParallelTypeError(f"max_norm must be a number, got {max_norm!r}.") from None
     if math.isnan(value) or value < 0:
-        raise ValueError(f"max_norm must be a non-negative number, got {value}.")
+        raise HyperParallelValueError(f"max_norm must be a non-negative number, got {value}.")
     return value
 
 
@@ -211,11 +217,13 @@ def _check_norm_type(norm_type: float | str) -> float:
     try:
         value = float(norm_type)
     except (TypeError, ValueError):
-        raise ValueError(
+        raise HyperParallelValueError(
             f"norm_type must be a positive number or 'inf', got {norm_type!r}."
         ) from None
     if math.isnan(value) or value <= 0:
-        raise ValueError(f"norm_type must be a positive number or 'inf', got {norm_type!r}.")
+        raise HyperParallelValueError(
+            f"norm_type must be a positive number or 'inf', got {norm_type!r}."
+        )
     return value
 
 
@@ -229,7 +237,7 @@ def _named_params(parameters: ParamSource, per_optimizer: bool) -> dict[str, lis
     if isinstance(parameters, Optimizer):
         subs = getattr(parameters, "optimizers", None)
         if not isinstance(subs, Mapping):
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"per_optimizer=True needs a ChainedOptimizer (named sub-optimizers) or a mapping "
                 f"of name -> params; got a {type(parameters).__name__}, which is one optimizer. "
                 "Pass per_optimizer=False to clip all its params together."
@@ -238,19 +246,19 @@ def _named_params(parameters: ParamSource, per_optimizer: bool) -> dict[str, lis
     elif isinstance(parameters, Mapping):
         sources = parameters
     else:
-        raise TypeError(
+        raise HyperParallelTypeError(
             "per_optimizer=True needs a ChainedOptimizer or a mapping of name -> params to "
             f"know the groups; got {type(parameters).__name__}. Pass per_optimizer=False to "
             "clip these params together."
         )
     if not sources:
-        raise ValueError(
+        raise HyperParallelValueError(
             "per_optimizer=True got no optimizers (an empty mapping); nothing to clip."
         )
     named: dict[str, list[Tensor]] = {}
     for name, source in sources.items():
         if not isinstance(name, str):
-            raise TypeError(f"per_optimizer names must be str, got {name!r}.")
+            raise HyperParallelTypeError(f"per_optimizer names must be str, got {name!r}.")
         named[name] = _params_of(source, f"parameters[{name!r}]")
     return named
 
@@ -263,7 +271,7 @@ def _params_of(source: Tensor | Iterable[Tensor] | Optimizer, what: str) -> list
     params = list(source)
     for index, t in enumerate(params):
         if not isinstance(t, Tensor):
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"{what} must hold tensors, but item {index} is a {type(t).__name__}; pass "
                 "model.parameters(), a list of tensors or an optimizer."
             )
@@ -399,7 +407,7 @@ def _raise_if_nonfinite(norm: Tensor, p: float, name: str | None) -> None:
     if bool(torch.isfinite(norm)):
         return
     whose = f"the params of optimizer {name!r}" if name is not None else "`parameters`"
-    raise RuntimeError(
+    raise HyperParallelRuntimeError(
         f"The total gradient norm of order {p} for {whose} is non-finite ({norm.item()}), so it "
         "cannot be clipped. Look for inf/nan gradients (loss scaling, a diverged step), or pass "
         "error_if_nonfinite=False to scale the gradients by the non-finite norm anyway."
@@ -444,7 +452,7 @@ def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
     if _device_has_foreach_support(device):
         return True
     if foreach:
-        raise RuntimeError(
+        raise HyperParallelRuntimeError(
             f"foreach=True was passed, but there are no foreach kernels for {device.type} tensors; "
             "pass foreach=None to fall back to one kernel per tensor."
         )

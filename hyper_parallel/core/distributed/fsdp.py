@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from hyper_parallel.core.distributed.mesh import init_device_mesh
+from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 
 __all__ = ["BlockPredicate", "GradientScaling", "fully_shard", "set_gradient_scaling_factor"]
 
@@ -76,7 +77,7 @@ def _select_blocks(
     if callable(blocks) and not isinstance(blocks, nn.Module):
         return [sub for name, sub in named if blocks(name, sub)]
     if isinstance(blocks, (nn.Module, str)) or not isinstance(blocks, Sequence):
-        raise TypeError(
+        raise HyperParallelTypeError(
             "blocks must be None (find the repeated blocks), a list of submodules, or a "
             f"predicate (name, module) -> bool; got {type(blocks).__name__}."
         )
@@ -84,11 +85,15 @@ def _select_blocks(
     chosen: dict[int, nn.Module] = {}
     for block in blocks:
         if not isinstance(block, nn.Module):
-            raise TypeError(f"blocks must hold nn.Module instances, got {type(block).__name__}.")
+            raise HyperParallelTypeError(
+                f"blocks must hold nn.Module instances, got {type(block).__name__}."
+            )
         if block is module:
-            raise ValueError("blocks must not contain the root module; it is sharded last anyway.")
+            raise HyperParallelValueError(
+                "blocks must not contain the root module; it is sharded last anyway."
+            )
         if id(block) not in index:
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"block {type(block).__name__} is not a submodule of the model being sharded."
             )
         chosen[id(block)] = block
@@ -102,7 +107,7 @@ def _check_devices(module: nn.Module, mesh: DeviceMesh) -> None:
         # FSDP moves CPU params to the mesh's device and keeps meta params for deferred
         # init; params already on another accelerator would be moved silently.
         if kind not in ("cpu", "meta", mesh.device_type):
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"parameter {name!r} is on {param.device} but the mesh is on "
                 f"{mesh.device_type!r}; move the model to CPU (or {mesh.device_type}) or build "
                 f"the mesh with init_device_mesh({kind!r}, ...)."
@@ -112,7 +117,7 @@ def _check_devices(module: nn.Module, mesh: DeviceMesh) -> None:
 def _check_factor(factor: float | int | torch.Tensor) -> float:
     if isinstance(factor, torch.Tensor):
         if factor.numel() != 1:
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"gradient scaling factor tensor must have one element, got shape "
                 f"{tuple(factor.shape)}."
             )
@@ -120,12 +125,12 @@ def _check_factor(factor: float | int | torch.Tensor) -> float:
     elif isinstance(factor, (int, float)) and not isinstance(factor, bool):
         value = float(factor)
     else:
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"gradient scaling factor must be a float, an int or a 1-element tensor, got "
             f"{type(factor).__name__}."
         )
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"gradient scaling factor must be finite and > 0, got {value}; pass None to "
             "turn scaling off."
         )
@@ -164,14 +169,14 @@ def set_gradient_scaling_factor(
         ``set_all_reduce_hook`` on a unit replaces it for that unit.
     """
     if factor is not None and scale_factor is not None:
-        raise TypeError(
+        raise HyperParallelTypeError(
             "set_gradient_scaling_factor() takes factor or scale_factor, not both "
             f"(got factor={factor!r}, scale_factor={scale_factor!r})."
         )
     requested = factor if factor is not None else scale_factor
     scaling = getattr(module, _SCALING_ATTR, None)
     if not isinstance(scaling, GradientScaling):
-        raise ValueError(
+        raise HyperParallelValueError(
             f"{type(module).__name__} was not sharded by hyper_parallel.fully_shard; "
             "call fully_shard(model, mesh=...) first."
         )
@@ -190,7 +195,7 @@ def _install_hooks(module: nn.Module, scaling: GradientScaling) -> None:
         groups = unit._get_fsdp_state()._fsdp_param_groups
         current = [getattr(g, "_all_reduce_hook", None) for g in groups]
         if any(hook is not None and hook is not scaling for hook in current):
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"FSDP unit {type(unit).__name__} already has an all-reduce hook "
                 "(set_all_reduce_hook); the gradient scaling factor needs that hook slot."
             )
@@ -257,34 +262,38 @@ def fully_shard(
             blocks that are not submodules of ``module``.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}.")
+        raise HyperParallelTypeError(
+            f"fully_shard expects an nn.Module, got {type(module).__name__}."
+        )
     already = [
         name or "<root>" for name, sub in module.named_modules() if isinstance(sub, FSDPModule)
     ]
     if already:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"{type(module).__name__} is already sharded by FSDP (FSDP units: "
             f"{', '.join(already[:5])}); call fully_shard once, on the unsharded model."
         )
     if mesh is not None and not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}.")
+        raise HyperParallelTypeError(
+            f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}."
+        )
     if not isinstance(reshard_after_forward, int):
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"reshard_after_forward must be a bool or int, got {type(reshard_after_forward).__name__}."
         )
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}."
         )
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}."
         )
     units = _select_blocks(module, blocks)
     if mesh is None:
         mesh = _default_mesh()
     if mesh.ndim not in (1, 2):
-        raise ValueError(
+        raise HyperParallelValueError(
             f"fully_shard needs a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); "
             f"got a {mesh.ndim}-D mesh {tuple(mesh.shape)} with names {mesh.mesh_dim_names}."
         )

@@ -19,6 +19,13 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
+from hyper_parallel.core.errors import (
+    HyperParallelImportError,
+    HyperParallelRuntimeError,
+    HyperParallelTypeError,
+    HyperParallelValueError,
+)
+
 __all__ = ["BACKEND_FOR_DEVICE", "init_device_mesh", "resolve_device_type"]
 
 #: The collective backend each supported device type communicates with.
@@ -33,7 +40,7 @@ def _import_torch_npu() -> None:
     try:
         importlib.import_module("torch_npu")
     except ImportError as exc:
-        raise ImportError(
+        raise HyperParallelImportError(
             "device_type 'npu' needs the Ascend adapter torch_npu, which is not importable "
             f"({exc}). Install it with `{_NPU_INSTALL_HINT}` (and the CANN toolkit), "
             "or use device_type 'cuda', 'cpu' or 'auto'."
@@ -65,7 +72,7 @@ def resolve_device_type(device_type: str) -> str:
         RuntimeError: ``"cuda"`` was asked for and no CUDA device is present.
     """
     if not isinstance(device_type, str) or device_type.lower() not in _DEVICE_TYPES:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Unknown device_type {device_type!r}. Available: {', '.join(_DEVICE_TYPES)}."
         )
     device_type = device_type.lower()
@@ -76,7 +83,7 @@ def resolve_device_type(device_type: str) -> str:
     if device_type == "npu":
         _import_torch_npu()
     elif device_type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
+        raise HyperParallelRuntimeError(
             "device_type 'cuda' was asked for but torch.cuda.is_available() is False "
             f"(torch {torch.__version__}). Use 'cpu' or 'auto'."
         )
@@ -86,11 +93,13 @@ def resolve_device_type(device_type: str) -> str:
 def _normalize_shape(mesh_shape: int | Sequence[int]) -> tuple[int, ...]:
     dims = (mesh_shape,) if isinstance(mesh_shape, int) else mesh_shape
     if isinstance(dims, str) or not isinstance(dims, Sequence) or len(dims) == 0:
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"mesh_shape must be a positive int or a non-empty tuple of them, got {mesh_shape!r}."
         )
     if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
-        raise ValueError(f"mesh_shape entries must be positive ints, got {mesh_shape!r}.")
+        raise HyperParallelValueError(
+            f"mesh_shape entries must be positive ints, got {mesh_shape!r}."
+        )
     return tuple(dims)
 
 
@@ -103,21 +112,23 @@ def _normalize_names(
         mesh_dim_names = (mesh_dim_names,)
     names = tuple(mesh_dim_names)
     if not all(isinstance(n, str) and n for n in names):
-        raise TypeError(f"mesh_dim_names must be non-empty strings, got {mesh_dim_names!r}.")
+        raise HyperParallelTypeError(
+            f"mesh_dim_names must be non-empty strings, got {mesh_dim_names!r}."
+        )
     if len(names) != len(shape):
-        raise ValueError(
+        raise HyperParallelValueError(
             f"mesh_dim_names {names} has {len(names)} names but mesh_shape {shape} has "
             f"{len(shape)} dims; give one name per dim."
         )
     if len(set(names)) != len(names):
-        raise ValueError(f"mesh_dim_names must be unique, got {names}.")
+        raise HyperParallelValueError(f"mesh_dim_names must be unique, got {names}.")
     return names
 
 
 def _init_process_group_from_env(device_type: str) -> None:
     missing = [name for name in _TORCHRUN_ENV if not os.environ.get(name)]
     if missing:
-        raise RuntimeError(
+        raise HyperParallelRuntimeError(
             "torch.distributed is not initialized and the launcher environment is missing "
             f"{', '.join(missing)}. Launch with `torchrun --nproc_per_node N script.py`, or "
             "call torch.distributed.init_process_group() before init_device_mesh()."
@@ -207,7 +218,7 @@ def init_device_mesh(
     world_size = dist.get_world_size() if initialized else int(env_world) if env_world else None
     # Checked before initializing so a wrong shape fails without touching the network.
     if world_size is not None and math.prod(shape) != world_size:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"mesh_shape {shape} covers {math.prod(shape)} ranks but the world size is "
             f"{world_size}; the product of mesh_shape must equal the world size."
         )

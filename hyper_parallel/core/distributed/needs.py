@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from hyper_parallel.core.errors import HyperParallelValueError
+
 __all__ = ["Need", "RowBlocks", "WholeMatrices"]
 
 
@@ -35,7 +37,7 @@ class WholeMatrices:
 
     def __post_init__(self) -> None:
         if self.batch_dims < 0:
-            raise ValueError(f"batch_dims must be >= 0, got {self.batch_dims}.")
+            raise HyperParallelValueError(f"batch_dims must be >= 0, got {self.batch_dims}.")
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,11 @@ class RowBlocks:
 
     def __post_init__(self) -> None:
         if not self.heights or any(h <= 0 for h in self.heights):
-            raise ValueError(f"heights must be positive row counts, got {self.heights}.")
+            raise HyperParallelValueError(
+                f"heights must be positive row counts, got {self.heights}."
+            )
         if self.batch_dims < 0:
-            raise ValueError(f"batch_dims must be >= 0, got {self.batch_dims}.")
+            raise HyperParallelValueError(f"batch_dims must be >= 0, got {self.batch_dims}.")
 
 
 Need: TypeAlias = WholeMatrices | RowBlocks

@@ -41,6 +41,7 @@ from hyper_parallel.core.distributed._dtensor import (
     split_dim,
 )
 from hyper_parallel.core.distributed.needs import Need, RowBlocks
+from hyper_parallel.core.errors import HyperParallelValueError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -171,7 +172,7 @@ def gather_layouts(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> list
 def check_not_partial(t: torch.Tensor, what: str = "tensor") -> None:
     """Raise ``ValueError`` if ``t`` is a DTensor holding unreduced (``Partial``) values."""
     if is_dtensor(t) and any(p.is_partial() for p in t.placements):  # type: ignore[attr-defined]
-        raise ValueError(
+        raise HyperParallelValueError(
             f"A {what} of shape {tuple(t.shape)} has placements {t.placements}: a Partial "  # type: ignore[attr-defined]
             "value is not a matrix yet. Reduce it first (redistribute to Replicate or Shard)."
         )
@@ -260,7 +261,7 @@ def assign_owners(
     rank) carries the load of earlier calls and is updated in place.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise HyperParallelValueError(f"world_size must be >= 1, got {world_size}")
     current = loads if loads is not None else [0.0] * world_size
     heap = [(load, rank) for rank, load in enumerate(current)]
     heapq.heapify(heap)
@@ -323,7 +324,7 @@ def exchange_group(mesh: DeviceMesh) -> ProcessGroup:
         return group
     if mesh.ndim == 1:
         return mesh.get_group()
-    raise ValueError(
+    raise HyperParallelValueError(
         f"A {mesh.ndim}-D mesh of {mesh.size()} ranks inside a world of "
         f"{dist.get_world_size()} has no process group joining its ranks; lay the params "
         "out on a mesh that spans the world, or on a 1-D sub-mesh."

@@ -10,6 +10,12 @@ from typing import Any, cast
 import torch
 from torch.optim import Optimizer
 
+from hyper_parallel.core.errors import (
+    HyperParallelKeyError,
+    HyperParallelTypeError,
+    HyperParallelValueError,
+)
+
 __all__ = ["ChainedOptimizer"]
 
 
@@ -23,7 +29,7 @@ class _ChainedState(Mapping[torch.Tensor, Any]):
         for opt in self._optimizers.values():
             if param in opt.state:
                 return opt.state[param]
-        raise KeyError(param)
+        raise HyperParallelKeyError(param)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         for opt in self._optimizers.values():
@@ -64,27 +70,33 @@ class ChainedOptimizer(Optimizer):
             else {str(i): opt for i, opt in enumerate(optimizers)}
         )
         if not named:
-            raise ValueError("ChainedOptimizer needs at least one optimizer; got none.")
+            raise HyperParallelValueError(
+                "ChainedOptimizer needs at least one optimizer; got none."
+            )
         seen: dict[int, str] = {}
         for name, opt in named.items():
             if not isinstance(name, str) or not name:
-                raise TypeError(f"ChainedOptimizer names must be non-empty str, got {name!r}.")
+                raise HyperParallelTypeError(
+                    f"ChainedOptimizer names must be non-empty str, got {name!r}."
+                )
             if not isinstance(opt, Optimizer):
-                raise TypeError(
+                raise HyperParallelTypeError(
                     f"ChainedOptimizer entry {name!r} must be a torch.optim.Optimizer, "
                     f"got {type(opt).__name__}."
                 )
             if isinstance(opt, ChainedOptimizer):
-                raise TypeError(f"ChainedOptimizer entry {name!r} is itself chained; flatten it.")
+                raise HyperParallelTypeError(
+                    f"ChainedOptimizer entry {name!r} is itself chained; flatten it."
+                )
             if _needs_closure(opt):
-                raise TypeError(
+                raise HyperParallelTypeError(
                     f"ChainedOptimizer entry {name!r} ({type(opt).__name__}) re-evaluates a closure "
                     "inside every step, which a chain cannot give each part; step it on its own."
                 )
             for group in opt.param_groups:
                 for p in group["params"]:
                     if id(p) in seen:
-                        raise ValueError(
+                        raise HyperParallelValueError(
                             f"A parameter of shape {tuple(p.shape)} is in both optimizer "
                             f"{seen[id(p)]!r} and {name!r}; give each param to one optimizer."
                         )
@@ -164,13 +176,13 @@ class ChainedOptimizer(Optimizer):
         """
         if optimizer is None:
             if len(self.optimizers) != 1:
-                raise ValueError(
+                raise HyperParallelValueError(
                     "ChainedOptimizer.add_param_group needs optimizer=<name> to know which "
                     f"sub-optimizer gets the group; one of: {', '.join(self.optimizers)}."
                 )
             optimizer = next(iter(self.optimizers))
         if optimizer not in self.optimizers:
-            raise KeyError(
+            raise HyperParallelKeyError(
                 f"No sub-optimizer named {optimizer!r}; have: {', '.join(self.optimizers)}."
             )
         new = param_group["params"]
@@ -179,7 +191,7 @@ class ChainedOptimizer(Optimizer):
             owned = {id(p) for g in opt.param_groups for p in g["params"]}
             for p in new_params:
                 if id(p) in owned:
-                    raise ValueError(
+                    raise HyperParallelValueError(
                         f"A parameter of shape {tuple(p.shape)} is already optimized by {name!r}."
                     )
         self.optimizers[optimizer].add_param_group(param_group)
@@ -211,7 +223,7 @@ class ChainedOptimizer(Optimizer):
         missing = sorted(set(self.optimizers) - set(sd))
         unexpected = sorted(set(sd) - set(self.optimizers))
         if missing or unexpected:
-            raise ValueError(
+            raise HyperParallelValueError(
                 "ChainedOptimizer state dict does not match its sub-optimizers: "
                 f"missing {missing or 'none'}, unexpected {unexpected or 'none'}; "
                 f"this optimizer has {', '.join(self.optimizers)}."
@@ -235,16 +247,18 @@ def _needs_closure(opt: Optimizer) -> bool:
 
 def _check_compatible(name: str, opt: Optimizer, saved: Any) -> None:
     if not isinstance(saved, Mapping) or "param_groups" not in saved or "state" not in saved:
-        raise ValueError(f"State of sub-optimizer {name!r} is not an optimizer state dict.")
+        raise HyperParallelValueError(
+            f"State of sub-optimizer {name!r} is not an optimizer state dict."
+        )
     groups = cast(list[dict[str, Any]], saved["param_groups"])
     if len(groups) != len(opt.param_groups):
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Sub-optimizer {name!r} has {len(opt.param_groups)} param groups but the "
             f"state dict has {len(groups)}."
         )
     for index, (mine, theirs) in enumerate(zip(opt.param_groups, groups, strict=True)):
         if len(mine["params"]) != len(theirs["params"]):
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"Param group {index} of sub-optimizer {name!r} has {len(mine['params'])} params "
                 f"but the state dict has {len(theirs['params'])}."
             )

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from hyper_parallel.core._suggest import accepted_keywords, check_keywords, did_you_mean
 from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
 from hyper_parallel.core.distributed.fsdp import PRESHARDING_PARAMS_ATTR
+from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.optimizer.chained import ChainedOptimizer
 from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry
 
@@ -46,11 +47,11 @@ def _shown(names: list[str]) -> str:
 def _as_groups(params: Any, where: str) -> list[dict[str, Any]]:
     """Normalize params / (name, param) pairs / group dicts into group dicts."""
     if isinstance(params, torch.Tensor):
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"{where} must be a list of params or param-group dicts, got a single Tensor; wrap it in a list."
         )
     if isinstance(params, Mapping):
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"{where} must be a list; got a dict. For one group pass [{{'params': ...}}]."
         )
     items = list(params)
@@ -59,7 +60,7 @@ def _as_groups(params: Any, where: str) -> list[dict[str, Any]]:
     for item in items:
         if isinstance(item, Mapping):
             if "params" not in item:
-                raise ValueError(f"A param group in {where} has no 'params' key.")
+                raise HyperParallelValueError(f"A param group in {where} has no 'params' key.")
             group = dict(item)
             group["params"] = [_as_tensor(p, where) for p in _iter_params(group["params"])]
             groups.append(group)
@@ -78,7 +79,9 @@ def _as_tensor(item: Any, where: str) -> torch.Tensor:
     if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
         item = item[1]  # from named_parameters()
     if not isinstance(item, torch.Tensor):
-        raise TypeError(f"{where} holds a {type(item).__name__}, expected parameters (tensors).")
+        raise HyperParallelTypeError(
+            f"{where} holds a {type(item).__name__}, expected parameters (tensors)."
+        )
     return item
 
 
@@ -103,7 +106,7 @@ def _split_prefixed(prefixed: Mapping[str, Any], names: Iterable[str]) -> dict[s
                 "sharding",
                 *(f"{n}_<option>" for n in by_length),
             ]
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"get_hyper_optimizer() got an unexpected keyword argument {key!r}."
                 f"{did_you_mean(key, known)} Keyword arguments prefixed with an optimizer's name "
                 f"(e.g. 'muon_lr') configure that optimizer; optimizers here: {', '.join(by_length)}."
@@ -160,7 +163,7 @@ def get_hyper_optimizer(
         UnknownPluginError: an optimizer or partitioner name nobody registered.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"get_hyper_optimizer() needs model=<nn.Module>, got {type(model).__name__}."
         )
     registry = get_registry()
@@ -169,7 +172,7 @@ def get_hyper_optimizer(
     def add(name: str, params: Any, kwargs: Mapping[str, Any] | None, where: str) -> None:
         entry = registry.get(PluginKind.OPTIMIZER, name)
         if entry.name in specs:
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"Optimizer {entry.name!r} is configured twice ({where} and an earlier argument); "
                 "configure each optimizer once."
             )
@@ -185,7 +188,7 @@ def get_hyper_optimizer(
         add("adamw", adamw_params, adamw_kwargs, "adamw_params")
     for name, config in (optimizers or {}).items():
         if not isinstance(config, Mapping):
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"optimizers[{name!r}] must be a dict of options, got {type(config).__name__}."
             )
         config = dict(config)
@@ -196,19 +199,19 @@ def get_hyper_optimizer(
             add(name, None, None, f"{name}_* keyword arguments")
         for key, value in extra.items():
             if key in specs[name].kwargs:
-                raise ValueError(
+                raise HyperParallelValueError(
                     f"Option {key!r} of optimizer {name!r} is given twice ({name}_{key} and a dict)."
                 )
             specs[name].kwargs[key] = value
 
     any_given = any(s.params_given for s in specs.values())
     if partitioner is not None and any_given:
-        raise ValueError(
+        raise HyperParallelValueError(
             "get_hyper_optimizer() got both explicit params and partitioner="
             f"{partitioner!r}; use one of them."
         )
     if partitioner_kwargs is not None and partitioner is None and any_given:
-        raise ValueError(
+        raise HyperParallelValueError(
             "partitioner_kwargs was given without partitioner=...; name the partitioner."
         )
     if not any_given:
@@ -224,7 +227,7 @@ def get_hyper_optimizer(
             spec.kwargs, accepted_keywords(spec.entry.obj, skip=1), where=f"optimizer {spec.name!r}"
         )
         if "params" in spec.kwargs:
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"Give the params of optimizer {spec.name!r} via its params list, not as a keyword."
             )
 
@@ -238,13 +241,13 @@ def get_hyper_optimizer(
         groups = [g for g in spec.groups if g["params"]]
         optimizer = spec.entry.obj(groups, **spec.kwargs)
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"Optimizer {spec.name!r} from {spec.entry.source} returned "
                 f"{type(optimizer).__name__}, not a torch.optim.Optimizer."
             )
         built[spec.name] = optimizer
     if not built:
-        raise ValueError(
+        raise HyperParallelValueError(
             "get_hyper_optimizer() got no params to optimize: every group is empty "
             "(or every param is frozen)."
         )
@@ -286,7 +289,7 @@ def _apply_partitioner(
     )
     assignment = entry.obj(model, **options)
     if not isinstance(assignment, Mapping):
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"Partitioner {entry.name!r} returned {type(assignment).__name__}, not a dict."
         )
     for opt_name, params in assignment.items():
@@ -299,7 +302,7 @@ def _apply_partitioner(
         specs[key].params_given = True
     unassigned = [n for n, s in specs.items() if not s.params_given]
     if unassigned:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Partitioner {entry.name!r} assigns params to {', '.join(map(repr, assignment))}, "
             f"but options were given for {', '.join(map(repr, unassigned))}; "
             "name optimizers the partitioner uses (see its matrix_optimizer/fallback_optimizer options)."
@@ -346,7 +349,7 @@ def _drop_frozen_and_duplicates(specs: dict[str, _Spec], named: Mapping[int, str
             kept: list[torch.Tensor] = []
             for p in group["params"]:
                 if id(p) not in named:
-                    raise ValueError(
+                    raise HyperParallelValueError(
                         f"A param of shape {tuple(p.shape)} given to optimizer {spec.name!r} is not a "
                         "parameter of model; pass params from the model you train."
                     )
@@ -356,7 +359,7 @@ def _drop_frozen_and_duplicates(specs: dict[str, _Spec], named: Mapping[int, str
                 if previous == spec.name:
                     continue  # a tied param listed twice: counted once
                 if previous is not None:
-                    raise ValueError(
+                    raise HyperParallelValueError(
                         f"Param {_label(p, named)!r} is in the groups of both {previous!r} and "
                         f"{spec.name!r}; give each param to exactly one optimizer."
                     )
@@ -399,7 +402,7 @@ def _check_coverage(model: nn.Module, specs: Mapping[str, _Spec], named: Mapping
         name for name, p in model.named_parameters() if p.requires_grad and id(p) not in assigned
     ]
     if missing:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"{len(missing)} trainable param(s) are in no optimizer group and would never train: "
             f"{_shown(missing)}. Add them to muon_params/adamw_params, freeze them "
             "(requires_grad=False), or use a partitioner (partitioner='by_shape')."

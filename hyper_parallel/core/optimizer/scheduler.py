@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from hyper_parallel.core._suggest import did_you_mean
+from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.plugin import PluginKind, get_registry
 
 __all__ = ["HyperLRScheduler", "get_hyper_lr_scheduler"]
@@ -98,13 +99,13 @@ def _check_option_names(
     """``TypeError`` for the first keyword in ``given`` the schedule does not take."""
     for key in given:
         if key in _STEP_ARGS:
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"{key} is an argument of the scheduler itself, not an option of LR "
                 f"schedule {schedule!r}; pass it as {key}=..."
             )
         if not sig.accepts(key):
             candidates = [*sig.options, "lr_min", *_OPTION_ALIASES, *also]
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"Unknown keyword argument {key!r} for LR schedule {schedule!r}."
                 f"{did_you_mean(key, candidates)} {_describe_options(schedule, sig)}"
             )
@@ -113,10 +114,12 @@ def _check_option_names(
 def _check_int(name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         hint = " Pass a whole number of steps, e.g. int(...)." if isinstance(value, float) else ""
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.{hint}")
+        raise HyperParallelTypeError(
+            f"{name} must be an int, got {type(value).__name__} {value!r}.{hint}"
+        )
     number = int(value)
     if number < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {number}.")
+        raise HyperParallelValueError(f"{name} must be at least {minimum}, got {number}.")
     return number
 
 
@@ -124,7 +127,7 @@ def _check_steps(total_steps: object, warmup_steps: object) -> tuple[int, int]:
     total = _check_int("total_steps", total_steps, minimum=1)
     warmup = _check_int("warmup_steps", warmup_steps, minimum=0)
     if warmup > total:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"warmup_steps={warmup} is more than total_steps={total}; the warmup is part of "
             f"the total, so lower warmup_steps or raise total_steps."
         )
@@ -137,7 +140,7 @@ def _peak_lr(group: Mapping[str, Any], index: int) -> float:
     if isinstance(value, Tensor):
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"param group {index} has lr {value!r}; a scheduler needs a number (or a tensor)."
         )
     return float(value)
@@ -145,10 +148,12 @@ def _peak_lr(group: Mapping[str, Any], index: int) -> float:
 
 def _check_lr_min(lr_min: object) -> float:
     if isinstance(lr_min, bool) or not isinstance(lr_min, numbers.Real):
-        raise TypeError(f"lr_min must be a number, got {type(lr_min).__name__} {lr_min!r}.")
+        raise HyperParallelTypeError(
+            f"lr_min must be a number, got {type(lr_min).__name__} {lr_min!r}."
+        )
     value = float(lr_min)
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"lr_min must be a finite number >= 0, got {lr_min!r}.")
+        raise HyperParallelValueError(f"lr_min must be a finite number >= 0, got {lr_min!r}.")
     return value
 
 
@@ -161,7 +166,7 @@ def _group_options(
     groups = []
     for index, peak in enumerate(peaks):
         if lr_min > peak:
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"lr_min={lr_min!r} is above the peak lr {peak!r} of param group {index}; "
                 f"lr_min is an absolute floor and must not exceed any group's lr (smallest: "
                 f"{min(peaks)!r}). Lower it, or use min_lr_ratio for a fraction of each peak."
@@ -195,7 +200,7 @@ def _probe(
                 or not math.isfinite(float(value))
                 or value < 0
             ):
-                raise ValueError(
+                raise HyperParallelValueError(
                     f"LR schedule {schedule!r} returned {value!r} at step {step}; a schedule "
                     f"must return a finite float >= 0 (the factor on each group's peak lr)."
                 )
@@ -258,7 +263,7 @@ class HyperLRScheduler(LRScheduler):
         options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
         total, warmup = _check_steps(total_steps, warmup_steps)
@@ -271,7 +276,7 @@ class HyperLRScheduler(LRScheduler):
             n for n, d in sig.options.items() if d is inspect.Parameter.empty and n not in given
         ]
         if missing:
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"LR schedule {entry.name!r} needs the option(s) {', '.join(missing)}. "
                 f"{_describe_options(entry.name, sig)}"
             )
@@ -282,12 +287,12 @@ class HyperLRScheduler(LRScheduler):
         floor: float | None = None
         if lr_min is not None:
             if _LR_MIN_TARGET not in sig.options:
-                raise TypeError(
+                raise HyperParallelTypeError(
                     f"lr_min sets {_LR_MIN_TARGET}, which LR schedule {entry.name!r} does not "
                     f"have. {_describe_options(entry.name, sig)}"
                 )
             if _LR_MIN_TARGET in given:
-                raise ValueError(
+                raise HyperParallelValueError(
                     f"Give lr_min (an absolute floor) or min_lr_ratio (a fraction of each "
                     f"group's peak), not both (got lr_min={lr_min!r}, "
                     f"min_lr_ratio={given[_LR_MIN_TARGET]!r})."
@@ -356,7 +361,7 @@ class HyperLRScheduler(LRScheduler):
         """
         missing = [k for k in _STATE_KEYS if k not in state_dict]
         if missing:
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"Not a HyperLRScheduler state_dict: missing {', '.join(missing)}. Load the "
                 f"state that HyperLRScheduler.state_dict() returned."
             )
@@ -367,14 +372,14 @@ class HyperLRScheduler(LRScheduler):
             if state_dict[k] != mine[k]
         ]
         if diffs:
-            raise ValueError(
+            raise HyperParallelValueError(
                 "Cannot load this LR scheduler state: it was saved for another schedule "
                 f"configuration ({'; '.join(diffs)}). Build the scheduler with the saved "
                 "settings, then load the state."
             )
         base_lrs = [float(b) for b in state_dict["base_lrs"]]
         if len(base_lrs) != len(self.optimizer.param_groups):
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"The saved LR scheduler state has {len(base_lrs)} param groups; this "
                 f"optimizer has {len(self.optimizer.param_groups)}."
             )
@@ -397,7 +402,7 @@ def _resolve_schedule_name(scheduler_type: str, decay_style: str | None) -> str:
     chosen = registry.get(PluginKind.LR_SCHEDULER, scheduler_type)
     other = registry.get(PluginKind.LR_SCHEDULER, decay_style)
     if chosen.name != other.name:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"scheduler_type={scheduler_type!r} and decay_style={decay_style!r} name different "
             f"LR schedules ({chosen.name!r} and {other.name!r}); decay_style is another name "
             f"for scheduler_type, so pass only one of them."
@@ -408,16 +413,16 @@ def _resolve_schedule_name(scheduler_type: str, decay_style: str | None) -> str:
 def _warmup_from_ratio(warmup_ratio: object, total_steps: object, warmup_steps: object) -> int:
     total = _check_int("total_steps", total_steps, minimum=1)
     if warmup_steps != 0:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"Give warmup_steps or warmup_ratio, not both (got warmup_steps={warmup_steps!r}, "
             f"warmup_ratio={warmup_ratio!r})."
         )
     if isinstance(warmup_ratio, bool) or not isinstance(warmup_ratio, numbers.Real):
-        raise TypeError(
+        raise HyperParallelTypeError(
             f"warmup_ratio must be a number, got {type(warmup_ratio).__name__} {warmup_ratio!r}."
         )
     if not 0.0 <= float(warmup_ratio) <= 1.0:
-        raise ValueError(
+        raise HyperParallelValueError(
             f"warmup_ratio must be in [0, 1] (a fraction of total_steps), got {warmup_ratio!r}."
         )
     return round(float(warmup_ratio) * total)
@@ -486,12 +491,12 @@ def get_hyper_lr_scheduler(
         if alias not in options:
             continue
         if target not in sig.options:
-            raise TypeError(
+            raise HyperParallelTypeError(
                 f"{alias} sets the option {target!r}, which LR schedule {entry.name!r} does "
                 f"not have. {_describe_options(entry.name, sig)}"
             )
         if target in options:
-            raise ValueError(
+            raise HyperParallelValueError(
                 f"Give {alias} or {target}, not both (got {alias}={options[alias]!r}, "
                 f"{target}={options[target]!r})."
             )

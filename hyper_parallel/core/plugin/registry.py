@@ -28,7 +28,14 @@ from typing import Any
 import pluggy
 
 from hyper_parallel.core._suggest import did_you_mean
-from hyper_parallel.core.errors import DuplicatePluginError, PluginLoadError, UnknownPluginError
+from hyper_parallel.core.errors import (
+    DuplicatePluginError,
+    HyperParallelKeyError,
+    HyperParallelTypeError,
+    HyperParallelValueError,
+    PluginLoadError,
+    UnknownPluginError,
+)
 from hyper_parallel.core.plugin import hookspecs
 from hyper_parallel.core.plugin.markers import PROJECT_NAME
 
@@ -192,7 +199,7 @@ class Registry:
         """Remove a plugin registered with :meth:`register_plugin`."""
         with self._lock:
             if name not in self._in_process:
-                raise KeyError(
+                raise HyperParallelKeyError(
                     f"No in-process plugin named {name!r}. Registered in-process: "
                     f"{', '.join(sorted(self._in_process)) or '(none)'}."
                 )
@@ -210,7 +217,9 @@ class Registry:
         """
         kind = PluginKind(kind)
         if not isinstance(name, str):
-            raise TypeError(f"A {kind.label} name must be a str, got {type(name).__name__}.")
+            raise HyperParallelTypeError(
+                f"A {kind.label} name must be a str, got {type(name).__name__}."
+            )
         state = self._ensure_loaded()
         entry = state.lookup[kind].get(normalize_name(name))
         if entry is not None:
@@ -399,20 +408,20 @@ class Registry:
             name: str, obj: Any, *, description: str = "", aliases: Sequence[str] = ()
         ) -> None:
             if not isinstance(name, str) or not _NAME_RE.match(name):
-                raise ValueError(
+                raise HyperParallelValueError(
                     f"{kind.label} name {name!r} is not valid: use letters, digits, '_', '-' or '.'."
                 )
             if isinstance(aliases, str):
-                raise TypeError(
+                raise HyperParallelTypeError(
                     f"aliases of {kind.label} {name!r} must be a sequence of str, not a str."
                 )
             for alias in aliases:
                 if not isinstance(alias, str) or not _NAME_RE.match(alias):
-                    raise ValueError(
+                    raise HyperParallelValueError(
                         f"alias {alias!r} of {kind.label} {name!r} is not a valid name."
                     )
             if not callable(obj):
-                raise TypeError(
+                raise HyperParallelTypeError(
                     f"{kind.label} {name!r} must be callable, got {type(obj).__name__}."
                 )
             entry = RegistryEntry(
