@@ -7,9 +7,15 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from hyper_parallel.core.errors import HyperParallelTypeError
+from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 
-__all__ = ["accepted_keywords", "check_keywords", "did_you_mean"]
+__all__ = [
+    "GROUP_BOOKKEEPING_KEYS",
+    "accepted_keywords",
+    "check_group_keys",
+    "check_keywords",
+    "did_you_mean",
+]
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:
@@ -60,4 +66,24 @@ def check_keywords(given: Mapping[str, Any], accepted: Iterable[str] | None, *, 
             raise HyperParallelTypeError(
                 f"Unknown keyword argument {key!r} for {where}.{did_you_mean(key, accepted)}"
                 f" Accepted: {', '.join(accepted) or '(none)'}."
+            )
+
+
+#: Param-group keys that are not options: torch's own and what LR schedulers add.
+GROUP_BOOKKEEPING_KEYS = frozenset({"params", "param_names", "initial_lr"})
+
+
+def check_group_keys(group: Mapping[str, Any], options: Iterable[str], *, where: str) -> None:
+    """Raise ``ValueError`` for a param-group key that is not one of ``options``.
+
+    A typo such as ``{"params": ..., "lrr": 0.1}`` would otherwise be stored
+    and never read, so the group would silently train at the default lr.
+    ``where`` names the optimizer, e.g. ``"optimizer 'muon'"``.
+    """
+    known = set(options) | GROUP_BOOKKEEPING_KEYS
+    for key in group:
+        if key not in known:
+            raise HyperParallelValueError(
+                f"Unknown key {key!r} in a param group of {where}.{did_you_mean(str(key), known)} "
+                f"A group may set: {', '.join(sorted(set(options)))}."
             )

@@ -16,6 +16,7 @@ from torch.optim.optimizer import (  # type: ignore[attr-defined]
 )
 
 from hyper_parallel import hookimpl
+from hyper_parallel.core._suggest import check_group_keys
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = ["AdamW"]
@@ -81,6 +82,11 @@ class AdamW(torch.optim.AdamW):
             differentiable=differentiable,
             fused=fused,
         )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group; an unknown key (a typo such as ``lrr``) is a ``ValueError``."""
+        check_group_keys(param_group, self.defaults, where="optimizer AdamW")
+        super().add_param_group(param_group)
 
 
 @hookimpl

@@ -12,7 +12,12 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from hyper_parallel.core._suggest import accepted_keywords, check_keywords, did_you_mean
+from hyper_parallel.core._suggest import (
+    accepted_keywords,
+    check_group_keys,
+    check_keywords,
+    did_you_mean,
+)
 from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
 from hyper_parallel.core.distributed.fsdp import PRESHARDING_PARAMS_ATTR
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
@@ -223,9 +228,12 @@ def get_hyper_optimizer(
     _move_vectors_off_matrix_optimizers(specs, named, add)
 
     for spec in specs.values():
-        check_keywords(
-            spec.kwargs, accepted_keywords(spec.entry.obj, skip=1), where=f"optimizer {spec.name!r}"
-        )
+        accepted = accepted_keywords(spec.entry.obj, skip=1)
+        where = f"optimizer {spec.name!r}"
+        check_keywords(spec.kwargs, accepted, where=where)
+        if accepted is not None:
+            for group in spec.groups:
+                check_group_keys(group, accepted, where=where)
         if "params" in spec.kwargs:
             raise HyperParallelTypeError(
                 f"Give the params of optimizer {spec.name!r} via its params list, not as a keyword."

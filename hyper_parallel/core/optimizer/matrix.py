@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
+from hyper_parallel.core._suggest import check_group_keys
 from hyper_parallel.core.distributed import GroupBackends, ShardingBackend
 from hyper_parallel.core.distributed.toolkit import local_tensor, shard_like
 
@@ -50,12 +51,13 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
         """Add a param group, checking its options, its params and their sharding backend.
 
         Raises:
-            ValueError: a bad option or param, or a layout no backend takes;
-                the group is not added.
+            ValueError: an unknown key (a typo: with a suggestion), a bad option
+                or param, or a layout no backend takes; the group is not added.
         """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            check_group_keys(group, self.defaults, where=f"optimizer {type(self).__name__}")
             self._check_group(group)
             self._backends(group)
         except ValueError:
