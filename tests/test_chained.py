@@ -264,3 +264,22 @@ def test_add_param_group_needs_a_name(model: nn.Module) -> None:
     assert chained.param_groups[1]["params"] == [extra]
     with pytest.raises(ValueError, match="already optimized by 'muon'"):
         chained.add_param_group({"params": [extra]}, optimizer="adamw")
+
+
+def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    optimizer.counted = getattr(optimizer, "counted", 0) + 1
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "pickle"])
+def test_a_copy_keeps_its_hooks(copier: str) -> None:
+    import pickle
+
+    param = nn.Parameter(torch.randn(4, 4))
+    chained = ChainedOptimizer({"sgd": torch.optim.SGD([param], lr=0.1)})
+    chained.register_step_pre_hook(_count_step)
+    clone = copy.deepcopy(chained) if copier == "deepcopy" else pickle.loads(pickle.dumps(chained))
+    clone_param = clone.param_groups[0]["params"][0]
+    clone_param.grad = torch.ones(4, 4)
+    clone.step()
+    assert clone.counted == 1  # the hook ran, on the copy it was called for
+    assert not hasattr(chained, "counted")

@@ -18,6 +18,16 @@ from hyper_parallel.core.errors import (
 
 __all__ = ["ChainedOptimizer"]
 
+# torch.optim.Optimizer's hook registries, by attribute name.
+_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks",
+    "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+
 
 class _ChainedState(Mapping[torch.Tensor, Any]):
     """Read-only view of the sub-optimizers' ``state``, keyed by param."""
@@ -104,16 +114,8 @@ class ChainedOptimizer(Optimizer):
         # Not Optimizer.__init__: it would build new param groups; ours are views.
         self.optimizers: dict[str, Optimizer] = named
         self.defaults: dict[str, Any] = {}
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable[..., Any]] = (
-            OrderedDict()
-        )
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable[..., Any]] = (
-            OrderedDict()
-        )
+        for hooks in _HOOK_DICTS:
+            setattr(self, hooks, OrderedDict[int, Callable[..., Any]]())
         self._patch_step_function()
 
     # -- the Optimizer surface ----------------------------------------------
@@ -129,10 +131,15 @@ class ChainedOptimizer(Optimizer):
         return _ChainedState(self.optimizers)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"optimizers": self.optimizers}
+        # Unlike torch's Optimizer, a copy (deepcopy, pickle) keeps the hooks: a hook
+        # that counts steps or logs lrs would otherwise stop silently in the copy.
+        hooks = {name: getattr(self, name) for name in _HOOK_DICTS}
+        return {"optimizers": self.optimizers, "hooks": hooks}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["optimizers"])  # type: ignore[misc]
+        for name, hooks in state.get("hooks", {}).items():
+            getattr(self, name).update(hooks)
 
     def __repr__(self) -> str:
         inner = "\n".join(
@@ -217,7 +224,7 @@ class ChainedOptimizer(Optimizer):
         """
         sd: Mapping[str, Any] = state_dict
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, sd)
+            result = pre_hook(self, sd)  # type: ignore[arg-type]
             if result is not None:
                 sd = result
         missing = sorted(set(self.optimizers) - set(sd))
