@@ -283,3 +283,43 @@ def test_a_copy_keeps_its_hooks(copier: str) -> None:
     clone.step()
     assert clone.counted == 1  # the hook ran, on the copy it was called for
     assert not hasattr(chained, "counted")
+
+
+def test_cyclic_schedulers_cycle_each_groups_momentum_when_all_have_one() -> None:
+    a, b = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    chained = ChainedOptimizer(
+        {
+            "muon": Muon([a], lr=0.02, momentum=0.95),
+            "sgd": torch.optim.SGD([b], lr=0.1, momentum=0.9),
+        }
+    )
+    scheduler = lr_scheduler.OneCycleLR(chained, max_lr=0.1, total_steps=10)
+    assert [g["momentum"] for g in chained.param_groups] == [0.95, 0.95]  # max_momentum first
+    for p in (a, b):
+        p.grad = torch.ones(4, 4)
+    chained.step()
+    scheduler.step()
+    assert all(0.85 < g["momentum"] < 0.95 for g in chained.param_groups)
+    lr_scheduler.CyclicLR(chained, base_lr=0.01, max_lr=0.1)  # the same check passes
+
+
+@pytest.mark.parametrize("scheduler", ["OneCycleLR", "CyclicLR"])
+def test_cyclic_schedulers_on_momentum_and_betas_say_what_to_do(scheduler: str) -> None:
+    from hyper_parallel.core.errors import HyperParallelError
+
+    chained = ChainedOptimizer(
+        {
+            "muon": Muon([nn.Parameter(torch.randn(4, 4))], lr=0.02),
+            "adamw": AdamW([nn.Parameter(torch.randn(4))], lr=1e-3),
+        }
+    )
+    kwargs = (
+        {"max_lr": 0.1, "total_steps": 10}
+        if scheduler == "OneCycleLR"
+        else {"base_lr": 0.01, "max_lr": 0.1}
+    )
+    with pytest.raises(
+        HyperParallelError, match=r"muon: 'momentum'; adamw: not.*cycle_momentum=False"
+    ):
+        getattr(lr_scheduler, scheduler)(chained, **kwargs)
+    getattr(lr_scheduler, scheduler)(chained, cycle_momentum=False, **kwargs)  # what it says works

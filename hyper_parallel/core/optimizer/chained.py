@@ -49,6 +49,37 @@ class _ChainedState(Mapping[torch.Tensor, Any]):
         return sum(len(opt.state) for opt in self._optimizers.values())
 
 
+class _ChainedDefaults(dict[str, Any]):
+    """A chain's (empty) ``defaults``, which answers torch's cyclic schedulers.
+
+    ``OneCycleLR`` and ``CyclicLR`` with ``cycle_momentum=True`` ask whether
+    ``"momentum"`` or ``"betas"`` is in ``optimizer.defaults`` and then cycle
+    that key in every group. That works when every sub-optimizer has the key
+    (Muon with Sinkhorn or SGD: each group's own momentum is cycled); a chain
+    that mixes momentum and betas (Muon with AdamW) is an error that says
+    what to do instead.
+    """
+
+    def __init__(self, optimizers: Mapping[str, Optimizer]) -> None:
+        super().__init__()
+        self._optimizers = optimizers
+
+    def __contains__(self, key: object) -> bool:
+        if key not in ("momentum", "betas"):
+            return super().__contains__(key)
+        having = [name for name, opt in self._optimizers.items() if key in opt.defaults]
+        if not having or len(having) == len(self._optimizers):
+            return bool(having)
+        others = [name for name in self._optimizers if name not in having]
+        raise HyperParallelValueError(
+            f"The sub-optimizers of this ChainedOptimizer cycle different momentum keys "
+            f"({', '.join(having)}: {key!r}; {', '.join(others)}: not), and torch's "
+            "OneCycleLR/CyclicLR cycle one key in every group. Pass cycle_momentum=False, or "
+            "give each sub-optimizer its own scheduler, e.g. "
+            f"OneCycleLR(optimizer.optimizers[{having[0]!r}], ...)."
+        )
+
+
 class ChainedOptimizer(Optimizer):
     """Named optimizers (e.g. Muon for matrices, AdamW for the rest) stepped as one.
 
@@ -113,7 +144,7 @@ class ChainedOptimizer(Optimizer):
                     seen[id(p)] = name
         # Not Optimizer.__init__: it would build new param groups; ours are views.
         self.optimizers: dict[str, Optimizer] = named
-        self.defaults: dict[str, Any] = {}
+        self.defaults: dict[str, Any] = _ChainedDefaults(named)
         for hooks in _HOOK_DICTS:
             setattr(self, hooks, OrderedDict[int, Callable[..., Any]]())
         self._patch_step_function()
