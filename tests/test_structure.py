@@ -79,3 +79,20 @@ def test_the_domain_errors_are_hyper_parallel_errors_with_their_old_bases() -> N
         (DataError, ValueError),
     ):
         assert issubclass(error, HyperParallelError) and issubclass(error, base), error
+
+
+def test_the_guides_import_loads_no_fsdp_or_dtensor() -> None:
+    """Loading FSDP and DTensor (and sympy behind them) is most of a slow import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from hyper_parallel.core.optimizer import get_hyper_lr_scheduler, get_hyper_optimizer\n"
+        "from hyper_parallel import get_registry\n"
+        "get_registry().entries()\n"
+        "heavy = ('torch.distributed.fsdp', 'torch.distributed.tensor', 'sympy')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

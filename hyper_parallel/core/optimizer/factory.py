@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -19,7 +20,6 @@ from hyper_parallel.core._suggest import (
     did_you_mean,
 )
 from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
-from hyper_parallel.core.distributed.fsdp import PRESHARDING_PARAMS_ATTR
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.optimizer.chained import ChainedOptimizer
 from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry
@@ -327,7 +327,10 @@ def _named_params(model: nn.Module) -> dict[int, str]:
 
 def _follow_sharding(model: nn.Module, specs: Mapping[str, _Spec]) -> None:
     """Swap params listed before ``fully_shard`` for the sharded params that replaced them."""
-    replaced = getattr(model, PRESHARDING_PARAMS_ATTR, None)
+    # Looked up, not imported: a process that never imported fully_shard has sharded
+    # nothing with it, and importing it would load FSDP for every user.
+    fsdp = sys.modules.get("hyper_parallel.core.distributed.fsdp")
+    replaced = getattr(model, fsdp.PRESHARDING_PARAMS_ATTR, None) if fsdp else None
     if not replaced:
         return
     current = dict(model.named_parameters(remove_duplicate=False))

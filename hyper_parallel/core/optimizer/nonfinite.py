@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from hyper_parallel.core.distributed._dtensor import local_tensor
 
 __all__ = ["grads_are_finite", "step_if_finite"]
 
@@ -20,7 +21,7 @@ def grads_are_finite(optimizer: Optimizer) -> bool:
     local_ok = True
     for group in optimizer.param_groups:
         grads = [p.grad for p in group["params"] if p.grad is not None]
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        locals_ = [local_tensor(g) for g in grads]
         if locals_ and not all(bool(torch.isfinite(g).all()) for g in locals_ if g.numel()):
             local_ok = False
             break
