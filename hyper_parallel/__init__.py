@@ -1,8 +1,10 @@
 """hyper_parallel: Muon + AdamW for large-model training, on a plugin registry.
 
-Plugin authors need only :data:`hookimpl` (see
-:mod:`hyper_parallel.core.plugin.hookspecs` for the contract). Users build
-optimizers with :func:`hyper_parallel.core.optimizer.get_hyper_optimizer`.
+The one root for users and plugin authors: ``from hyper_parallel import
+get_hyper_optimizer, Muon, fully_shard, hookimpl, ...``. The optimizer API is
+also importable from :mod:`hyper_parallel.core.optimizer`, as the
+HyperParallel guide writes it; the plugin contract is
+:mod:`hyper_parallel.core.plugin.hookspecs`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.core import distributed as _distributed
+from hyper_parallel.core import optimizer as _optimizer
 from hyper_parallel.core.errors import (
     DuplicatePluginError,
     HyperParallelError,
@@ -17,8 +20,18 @@ from hyper_parallel.core.errors import (
     PluginLoadError,
     UnknownPluginError,
 )
+from hyper_parallel.core.optimizer import (
+    ChainedOptimizer,
+    HyperLRScheduler,
+    MatrixOptimizer,
+    get_hyper_lr_scheduler,
+    get_hyper_optimizer,
+    grads_are_finite,
+    step_if_finite,
+)
 from hyper_parallel.core.plugin import (
     PluginKind,
+    RegisterFn,
     get_registry,
     hookimpl,
     register_plugin,
@@ -26,35 +39,53 @@ from hyper_parallel.core.plugin import (
 )
 
 if TYPE_CHECKING:
+    # Their real classes for type checkers; at run time they come from the registry.
     from hyper_parallel.core.distributed import (
         clip_grad_norm_,
         fully_shard,
         init_device_mesh,
         set_gradient_scaling_factor,
     )
+    from hyper_parallel_builtins.adamw import AdamW
+    from hyper_parallel_builtins.muon import Muon
+    from hyper_parallel_builtins.sinkhorn import Sinkhorn
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdamW",
+    "ChainedOptimizer",
     "DuplicatePluginError",
+    "HyperLRScheduler",
     "HyperParallelError",
+    "MatrixOptimizer",
+    "Muon",
     "PluginError",
     "PluginKind",
     "PluginLoadError",
+    "RegisterFn",
+    "Sinkhorn",
     "UnknownPluginError",
     "__version__",
     "clip_grad_norm_",
     "fully_shard",
+    "get_hyper_lr_scheduler",
+    "get_hyper_optimizer",
     "get_registry",
+    "grads_are_finite",
     "hookimpl",
     "init_device_mesh",
     "register_plugin",
     "set_gradient_scaling_factor",
+    "step_if_finite",
     "unregister_plugin",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    # The registered optimizers come from the registry, like the guide's import path.
+    if name in _optimizer.REGISTERED:
+        return getattr(_optimizer, name)
     # The distributed API loads on first use (hyper_parallel.core.distributed.LAZY),
     # keeping `import hyper_parallel` light.
     if name in _distributed.LAZY:

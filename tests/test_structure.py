@@ -12,7 +12,11 @@ PACKAGE = Path(hyper_parallel.__file__).parent
 
 
 def _imported_modules(path: Path) -> set[str]:
+    """Modules imported at run time (``if TYPE_CHECKING:`` blocks, which type checkers alone read, skipped)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            node.body = []
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -29,20 +29,20 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from torch.optim import Optimizer
+    # Their real classes for type checkers; at run time they come from the registry.
+    from hyper_parallel_builtins.adamw import AdamW
+    from hyper_parallel_builtins.muon import Muon
+    from hyper_parallel_builtins.sinkhorn import Sinkhorn
 
-    Muon: type[Optimizer]
-    Sinkhorn: type[Optimizer]
-    AdamW: type[Optimizer]
-
-_REGISTERED = {"Muon": "muon", "Sinkhorn": "sinkhorn", "AdamW": "adamw"}
+#: Class name -> the registered optimizer name it resolves to.
+REGISTERED = {"Muon": "muon", "Sinkhorn": "sinkhorn", "AdamW": "adamw"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _REGISTERED:
+    if name in REGISTERED:
         from hyper_parallel.core.plugin import PluginKind, get_registry
 
-        return get_registry().get(PluginKind.OPTIMIZER, _REGISTERED[name]).obj
+        return get_registry().get(PluginKind.OPTIMIZER, REGISTERED[name]).obj
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
