@@ -100,3 +100,31 @@ def test_the_guides_import_loads_no_fsdp_or_dtensor() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+PUBLIC_MODULES = [
+    "hyper_parallel",
+    "hyper_parallel.checkpoint",
+    "hyper_parallel.core.distributed",
+    "hyper_parallel.core.distributed.toolkit",
+    "hyper_parallel.core.errors",
+    "hyper_parallel.core.optimizer",
+    "hyper_parallel.core.plugin",
+    "hyper_parallel.testing",
+]
+
+
+def test_every_public_name_is_on_the_api_page() -> None:
+    import importlib
+    import re
+
+    page = (PACKAGE.parent / "docs" / "api.md").read_text(encoding="utf-8")
+    missing = {
+        module: [
+            n
+            for n in importlib.import_module(module).__all__
+            if not re.search(rf"\b{re.escape(n)}\b", page)
+        ]
+        for module in PUBLIC_MODULES
+    }
+    assert not {m: names for m, names in missing.items() if names}, missing
