@@ -323,3 +323,32 @@ def test_cyclic_schedulers_on_momentum_and_betas_say_what_to_do(scheduler: str) 
     ):
         getattr(lr_scheduler, scheduler)(chained, **kwargs)
     getattr(lr_scheduler, scheduler)(chained, cycle_momentum=False, **kwargs)  # what it says works
+
+
+def test_param_names_by_optimizer_lists_each_tied_param_once() -> None:
+    import pickle
+
+    from hyper_parallel import get_hyper_optimizer
+
+    torch.manual_seed(0)
+    model = TinyLM(tied=True)
+    chained = get_hyper_optimizer(model, partitioner="by_shape")
+    names = chained.param_names_by_optimizer
+    everything = [n for ns in names.values() for n in ns]
+    assert sorted(everything) == sorted(n for n, _ in model.named_parameters())
+    assert everything.count("embed_tokens.weight") == 1 and "lm_head.weight" not in everything
+    assert "layers.0.q_proj.weight" in names["muon"] and "norm.weight" in names["adamw"]
+    assert pickle.loads(pickle.dumps(chained)).param_names_by_optimizer == names
+
+
+def test_param_names_need_a_source() -> None:
+    model = nn.Linear(4, 4)
+    chained = ChainedOptimizer({"sgd": torch.optim.SGD(model.parameters(), lr=0.1)})
+    with pytest.raises(ValueError, match=r"has no name; build the chain with .*param_names="):
+        _ = chained.param_names_by_optimizer
+    named = ChainedOptimizer(
+        {"sgd": torch.optim.SGD(model.parameters(), lr=0.1)}, param_names=model.named_parameters()
+    )
+    assert named.param_names_by_optimizer == {"sgd": ["weight", "bias"]}
+    by_torch = ChainedOptimizer({"sgd": torch.optim.SGD(model.named_parameters(), lr=0.1)})
+    assert by_torch.param_names_by_optimizer == {"sgd": ["weight", "bias"]}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -97,6 +97,10 @@ class ChainedOptimizer(Optimizer):
         optimizers: A mapping of name to optimizer, e.g.
             ``{"muon": Muon(...), "adamw": AdamW(...)}``, or a sequence of
             optimizers (named ``"0"``, ``"1"``, ...).
+        param_names: The params' names, for :attr:`param_names_by_optimizer`:
+            ``model.named_parameters()`` or any ``(name, param)`` pairs (a
+            tied param keeps its first name). ``get_hyper_optimizer`` passes
+            them.
 
     Examples:
         >>> opt = ChainedOptimizer({"muon": muon, "adamw": adamw})
@@ -104,7 +108,12 @@ class ChainedOptimizer(Optimizer):
         0.02
     """
 
-    def __init__(self, optimizers: Mapping[str, Optimizer] | Sequence[Optimizer]) -> None:
+    def __init__(
+        self,
+        optimizers: Mapping[str, Optimizer] | Sequence[Optimizer],
+        *,
+        param_names: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
         named = (
             dict(optimizers)
             if isinstance(optimizers, Mapping)
@@ -144,6 +153,9 @@ class ChainedOptimizer(Optimizer):
                     seen[id(p)] = name
         # Not Optimizer.__init__: it would build new param groups; ours are views.
         self.optimizers: dict[str, Optimizer] = named
+        self._names: dict[int, str] = {}
+        for param_name, param in param_names or ():
+            self._names.setdefault(id(param), param_name)
         self.defaults: dict[str, Any] = _ChainedDefaults(named)
         for hooks in _HOOK_DICTS:
             setattr(self, hooks, OrderedDict[int, Callable[..., Any]]())
@@ -165,12 +177,50 @@ class ChainedOptimizer(Optimizer):
         # Unlike torch's Optimizer, a copy (deepcopy, pickle) keeps the hooks: a hook
         # that counts steps or logs lrs would otherwise stop silently in the copy.
         hooks = {name: getattr(self, name) for name in _HOOK_DICTS}
-        return {"optimizers": self.optimizers, "hooks": hooks}
+        names = [self._names.get(id(p)) for p in self._params()]
+        return {"optimizers": self.optimizers, "hooks": hooks, "names": names}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["optimizers"])  # type: ignore[misc]
         for name, hooks in state.get("hooks", {}).items():
             getattr(self, name).update(hooks)
+        for param, param_name in zip(self._params(), state.get("names", ()), strict=False):
+            if param_name is not None:
+                self._names[id(param)] = param_name
+
+    def _params(self) -> Iterator[torch.Tensor]:
+        for opt in self.optimizers.values():
+            for group in opt.param_groups:
+                yield from group["params"]
+
+    @property
+    def param_names_by_optimizer(self) -> dict[str, list[str]]:
+        """``{sub-optimizer name: [names of its params]}``, in group order, each param once.
+
+        Names come from ``param_names`` (which ``get_hyper_optimizer`` gives),
+        else from a group's own ``"param_names"`` (torch's named param
+        groups).
+
+        Raises:
+            ValueError: a param has no known name; pass
+                ``param_names=model.named_parameters()``.
+        """
+        out: dict[str, list[str]] = {}
+        for opt_name, opt in self.optimizers.items():
+            names: list[str] = []
+            for group in opt.param_groups:
+                own = group.get("param_names") or [None] * len(group["params"])
+                for param, own_name in zip(group["params"], own, strict=True):
+                    param_name = self._names.get(id(param), own_name)
+                    if param_name is None:
+                        raise HyperParallelValueError(
+                            f"A param of shape {tuple(param.shape)} in optimizer {opt_name!r} has "
+                            "no name; build the chain with "
+                            "ChainedOptimizer(..., param_names=model.named_parameters())."
+                        )
+                    names.append(param_name)
+            out[opt_name] = names
+        return out
 
     def __repr__(self) -> str:
         inner = "\n".join(

@@ -259,7 +259,7 @@ def get_hyper_optimizer(
             "get_hyper_optimizer() got no params to optimize: every group is empty "
             "(or every param is frozen)."
         )
-    return ChainedOptimizer(built)
+    return ChainedOptimizer(built, param_names=model.named_parameters())
 
 
 def _resolve_sharding(
