@@ -21,7 +21,7 @@ from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.distributed import Need, RowBlocks, WholeMatrices
 from hyper_parallel.core.distributed.toolkit import local_tensor
-from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelValueError
+from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer.matrix import (
     MatrixOptimizer,
     by_device_and_dtype,
@@ -435,30 +435,8 @@ class Muon(MatrixOptimizer):
                 out[i] = result.reshape(updates[i].shape).to(updates[i].dtype).mul_(scale)
         return cast(list[Tensor], out)
 
-    def _init_group(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        buffers: list[Tensor] = []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise HyperParallelRuntimeError(
-                    f"Muon does not support sparse gradients (param of shape {tuple(p.shape)}); "
-                    "use a dense gradient, or SparseAdam for sparse embeddings."
-                )
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(
-                    p.grad, memory_format=torch.preserve_format
-                )
-            params.append(p)
-            grads.append(p.grad)
-            buffers.append(state["momentum_buffer"])
-        return params, grads, buffers
-
     def _step_group(self, group: dict[str, Any]) -> None:
-        params, grads, buffers = self._init_group(group)
+        params, grads, buffers = self._params_with_grads(group)
         if not params:
             return
         lr = group["lr"]

@@ -274,41 +274,26 @@ class Sinkhorn(MatrixOptimizer):
                     device=param.device, dtype=state_dtype(param)
                 )
 
-    def _init_group(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        buffers: list[Tensor] = []
-        for p in group["params"]:
-            grad = p.grad
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                raise HyperParallelValueError(
-                    f"Sinkhorn does not support sparse gradients (param of shape "
-                    f"{tuple(p.shape)}); use a dense gradient, or SparseAdam for sparse embeddings."
-                )
-            if is_dtensor(grad) and any(pl.is_partial() for pl in grad.placements):  # type: ignore[attr-defined]
-                raise HyperParallelValueError(
-                    f"The gradient of the param of shape {tuple(p.shape)} is a Partial DTensor "
-                    f"(placements {grad.placements}): its row and column norms need the reduced "  # type: ignore[attr-defined]
-                    "gradient. Reduce it first (redistribute it to Shard or Replicate, as FSDP's "
-                    "reduce-scatter does) before step()."
-                )
-            state = self.state[p]
-            dtype = state_dtype(p)
-            buffer = state.get("momentum_buffer")
-            if buffer is None:
-                buffer = torch.zeros_like(grad, dtype=dtype, memory_format=torch.preserve_format)
-                state["momentum_buffer"] = buffer
-            elif buffer.dtype != dtype:
-                buffer = state["momentum_buffer"] = buffer.to(dtype)
-            params.append(p)
-            grads.append(grad)
-            buffers.append(buffer)
-        return params, grads, buffers
+    def _check_grad(self, param: Tensor, grad: Tensor) -> None:
+        if grad.is_sparse:
+            raise HyperParallelValueError(
+                f"Sinkhorn does not support sparse gradients (param of shape "
+                f"{tuple(param.shape)}); use a dense gradient, or SparseAdam for sparse embeddings."
+            )
+        if is_dtensor(grad) and any(pl.is_partial() for pl in grad.placements):  # type: ignore[attr-defined]
+            raise HyperParallelValueError(
+                f"The gradient of the param of shape {tuple(param.shape)} is a Partial DTensor "
+                f"(placements {grad.placements}): its row and column norms need the reduced "  # type: ignore[attr-defined]
+                "gradient. Reduce it first (redistribute it to Shard or Replicate, as FSDP's "
+                "reduce-scatter does) before step()."
+            )
+
+    def _new_buffer(self, param: Tensor, grad: Tensor) -> Tensor:
+        """float32 (float64 for float64 params), whatever the param's dtype."""
+        return torch.zeros_like(grad, dtype=state_dtype(param), memory_format=torch.preserve_format)
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        params, grads, buffers = self._init_group(group)
+        params, grads, buffers = self._params_with_grads(group)
         if not params:
             return
         lr = group["lr"]

@@ -21,6 +21,7 @@ from torch.optim.optimizer import ParamsT
 from hyper_parallel.core._suggest import check_group_keys
 from hyper_parallel.core.distributed import GroupBackends, ShardingBackend
 from hyper_parallel.core.distributed.toolkit import local_tensor, shard_like
+from hyper_parallel.core.errors import HyperParallelRuntimeError
 
 __all__ = ["MatrixOptimizer", "by_device_and_dtype", "momentum_updates"]
 
@@ -75,6 +76,43 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
     def sharding_backend(self, group: Mapping[str, Any]) -> ShardingBackend:
         """The sharding backend of ``group`` (resolved once; see the class docstring)."""
         return self._backends(group)
+
+    def _params_with_grads(
+        self, group: dict[str, Any]
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """The group's params that have a gradient, those gradients, and their momentum buffers.
+
+        A buffer is made by :meth:`_new_buffer` at a param's first step.
+        (Not named ``_init_group``: ``torch.compile`` treats a method of that
+        name as torch's own and cannot trace ours.)
+        """
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        buffers: list[Tensor] = []
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            self._check_grad(p, grad)
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = self._new_buffer(p, grad)
+            params.append(p)
+            grads.append(grad)
+            buffers.append(state["momentum_buffer"])
+        return params, grads, buffers
+
+    def _check_grad(self, param: Tensor, grad: Tensor) -> None:
+        """Refuse a gradient the update cannot use (by default: a sparse one)."""
+        if grad.is_sparse:
+            raise HyperParallelRuntimeError(
+                f"{type(self).__name__} does not support sparse gradients (param of shape "
+                f"{tuple(param.shape)}); use a dense gradient, or SparseAdam for sparse embeddings."
+            )
+
+    def _new_buffer(self, param: Tensor, grad: Tensor) -> Tensor:
+        """A zero momentum buffer for ``param`` (by default shaped, laid out and typed like ``grad``)."""
+        return torch.zeros_like(grad, memory_format=torch.preserve_format)
 
     @abc.abstractmethod
     def _check_group(self, group: dict[str, Any]) -> None:
