@@ -376,3 +376,65 @@ def test_plugin_whose_hook_fails_is_listed_once_as_failed() -> None:
         assert [(p.status, "nope" in (p.error or "")) for p in records] == [("failed", True)]
     finally:
         unregister_plugin("half")
+
+
+class _NotABackend:
+    def accepts(self, params: Any) -> bool:
+        return True
+
+
+def _no_params() -> None: ...
+
+
+def _schedule_without_total_steps(step: int, *, warmup_steps: int) -> float:
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    ("hook", "obj", "message"),
+    [
+        ("hyper_parallel_register_optimizers", 42, r"optimizer 'bad' must be callable, got int"),
+        (
+            "hyper_parallel_register_optimizers",
+            _no_params,
+            r"must take params as its first positional",
+        ),
+        (
+            "hyper_parallel_register_lr_schedulers",
+            _schedule_without_total_steps,
+            r"lacks total_steps",
+        ),
+        (
+            "hyper_parallel_register_partitioners",
+            _no_params,
+            r"must take model as its first positional",
+        ),
+        (
+            "hyper_parallel_register_sharding_backends",
+            lambda: object(),
+            r"must be a concrete subclass of .*ShardingBackend",
+        ),
+        (
+            "hyper_parallel_register_sharding_backends",
+            _NotABackend,
+            r"missing shard_model, map_blocks, map_reductions",
+        ),
+    ],
+)
+def test_a_bad_entry_of_each_kind_fails_its_plugin_only(hook: str, obj: Any, message: str) -> None:
+    def impl(register: Any) -> None:
+        register("bad", obj)
+
+    impl.__name__ = hook
+    with pytest.warns(
+        RuntimeWarning,
+        match=rf"Plugin 'broken' \(registered in-process\) failed in {hook}: .*{message}",
+    ):
+        register_plugin(_module("broken", **{hook: hookimpl(impl)}))
+    try:
+        (failure,) = get_registry().failures()
+        assert (failure.plugin, failure.distribution) == ("broken", None)
+        assert get_registry().get("optimizer", "muon").name == "muon"  # the others still load
+        assert "bad" not in get_registry().names("optimizer")
+    finally:
+        unregister_plugin("broken")
