@@ -10,6 +10,10 @@ Example, in a plugin distribution's own test suite::
     def test_my_schedule_conforms():
         check_lr_schedule("my_schedule", total_steps=50, warmup_steps=5)
 
+    def test_my_partitioner_and_backend_conform():
+        check_partitioner("my_partitioner")
+        check_sharding_backend("my_backend")
+
 To try a plugin object without installing it, register it for one block::
 
     with plugin_registered(my_plugin_module):
@@ -20,8 +24,10 @@ from __future__ import annotations
 
 import copy
 import math
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +35,13 @@ from torch.optim import Optimizer
 
 from hyper_parallel.core.plugin import PluginKind, get_registry, register_plugin, unregister_plugin
 
-__all__ = ["check_lr_schedule", "check_optimizer", "plugin_registered"]
+__all__ = [
+    "check_lr_schedule",
+    "check_optimizer",
+    "check_partitioner",
+    "check_sharding_backend",
+    "plugin_registered",
+]
 
 
 @contextmanager
@@ -208,3 +220,158 @@ def check_lr_schedule(
                 f"schedule {name!r}: after a state_dict round trip the lr at step {step} is "
                 f"{lrs(other)}, expected {history[step]}"
             )
+
+
+class _ToyDecoder(torch.nn.Module):
+    """Embedding, two projections, a norm and a head: every kind of param a partitioner sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(16, 8)
+        self.q_proj = torch.nn.Linear(8, 8)
+        self.up_proj = torch.nn.Linear(8, 12, bias=False)
+        self.down_proj = torch.nn.Linear(12, 8, bias=False)
+        self.norm = torch.nn.LayerNorm(8)
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        x = x + self.down_proj(torch.relu(self.up_proj(self.q_proj(x))))
+        logits: torch.Tensor = self.lm_head(self.norm(x))
+        return logits
+
+
+def check_partitioner(
+    name: str, model: torch.nn.Module | None = None, **options: Any
+) -> dict[str, list[Any]]:
+    """Check that a registered partitioner assigns every trainable param once, and trains.
+
+    Args:
+        name: The partitioner's registered name.
+        model: The model to split (default: a small decoder with an
+            embedding, projections, a norm, biases and a head).
+        **options: The partitioner's options.
+
+    Returns:
+        The partitioner's assignment (optimizer name -> params or groups).
+
+    Raises:
+        AssertionError: the result is not a dict of registered optimizer
+            names, a trainable param is assigned twice or not at all, or a
+            step through ``get_hyper_optimizer`` does not lower the loss.
+    """
+    from hyper_parallel.core.optimizer import get_hyper_optimizer
+
+    model = model if model is not None else _ToyDecoder()
+    registry = get_registry()
+    assignment = registry.get(PluginKind.PARTITIONER, name).obj(model, **options)
+    if not isinstance(assignment, dict):
+        raise AssertionError(
+            f"partitioner {name!r} returned {type(assignment).__name__}, not a dict"
+        )
+    seen: dict[int, str] = {}
+    for opt_name, items in assignment.items():
+        registry.get(PluginKind.OPTIMIZER, opt_name)  # a registered optimizer
+        for item in items:
+            params = item["params"] if isinstance(item, dict) else [item]
+            for p in params:
+                if id(p) in seen:
+                    raise AssertionError(
+                        f"partitioner {name!r} gives a param of shape {tuple(p.shape)} to both "
+                        f"{seen[id(p)]!r} and {opt_name!r}"
+                    )
+                seen[id(p)] = opt_name
+    missed = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missed:
+        raise AssertionError(f"partitioner {name!r} leaves out trainable params: {missed}")
+    if isinstance(model, _ToyDecoder):
+        optimizer = get_hyper_optimizer(model, partitioner=name, partitioner_kwargs=options or None)
+        ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(0))
+        losses = []
+        for _ in range(5):
+            logits = model(ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 16), ids[:, 1:].reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        if not losses[-1] < losses[0]:
+            raise AssertionError(f"partitioner {name!r}: the loss did not fall: {losses}")
+    return assignment
+
+
+def _sharded_like_fsdp_or_hsdp(backend: Any, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``fulls`` as row shards over the world (FSDP), else on a ``(1, world)`` mesh (HSDP)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    for shape, placements in (((world,), [Shard(0)]), ((1, world), [Replicate(), Shard(0)])):
+        mesh = init_device_mesh("cpu", shape)
+        tensors = [distribute_tensor(f, mesh, placements) for f in fulls]
+        if backend.accepts(tensors):
+            return tensors
+    raise AssertionError(
+        f"sharding backend {backend.name!r} accepts neither plain tensors nor FSDP/HSDP row shards"
+    )
+
+
+def check_sharding_backend(name: str) -> None:
+    """Check that a registered sharding backend maps blocks and reductions like one process.
+
+    The backend is tried on what it accepts: plain tensors, or row-sharded
+    DTensors on a 1-D or ``(1, world)`` mesh (a one-process gloo group is set up
+    for the check when none is running). Whole matrices and row blocks must
+    reach the transform whole, and results must come back laid out like
+    the inputs.
+
+    Raises:
+        AssertionError: a result differs from the transform applied to the
+            whole tensors, or comes back in another layout.
+    """
+    import torch.distributed as dist
+
+    from hyper_parallel.core.distributed import RowBlocks, WholeMatrices
+
+    backend = get_registry().get(PluginKind.SHARDING_BACKEND, name).obj()
+    gen = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(4, 3, generator=gen), torch.randn(6, 5, generator=gen)]
+    needs = [WholeMatrices(), RowBlocks((2, 4))]
+    expected_blocks = [
+        fulls[0] / fulls[0].norm(),
+        torch.cat([b / b.norm() for b in fulls[1].split([2, 4])]),
+    ]
+    expected_rows = [f / f.norm(dim=1, keepdim=True) for f in fulls]
+
+    def normalize(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [b / b.norm() for b in blocks]
+
+    def unit_rows(local: list[torch.Tensor], reducer: Any) -> list[torch.Tensor]:
+        norms = reducer.row_sums([x.square() for x in local])
+        return [x / n.sqrt()[:, None] for x, n in zip(local, norms, strict=True)]
+
+    own_group = False
+    if not backend.accepts(fulls) and not dist.is_initialized():
+        rendezvous = Path(tempfile.mkdtemp()) / "rendezvous"
+        dist.init_process_group("gloo", init_method=rendezvous.as_uri(), rank=0, world_size=1)
+        own_group = True
+    try:
+        tensors: list[torch.Tensor] = list(fulls)
+        if not backend.accepts(fulls):
+            tensors = _sharded_like_fsdp_or_hsdp(backend, fulls)
+        for label, results, expected in (
+            ("map_blocks", backend.map_blocks(normalize, tensors, needs), expected_blocks),
+            ("map_reductions", backend.map_reductions(unit_rows, tensors), expected_rows),
+        ):
+            for t, r, e in zip(tensors, results, expected, strict=True):
+                if type(r) is not type(t) or r.shape != t.shape:
+                    raise AssertionError(
+                        f"{name!r}.{label} changed the layout of a {tuple(t.shape)} tensor"
+                    )
+                whole = r.full_tensor() if hasattr(r, "full_tensor") else r
+                if not torch.allclose(whole, e, atol=1e-6):
+                    raise AssertionError(f"{name!r}.{label} differs from the whole-tensor result")
+    finally:
+        if own_group:
+            dist.destroy_process_group()
