@@ -309,7 +309,7 @@ def _sharded_like_fsdp_or_hsdp(backend: Any, fulls: list[torch.Tensor]) -> list[
     world = dist.get_world_size()
     for shape, placements in (((world,), [Shard(0)]), ((1, world), [Replicate(), Shard(0)])):
         mesh = init_device_mesh("cpu", shape)
-        tensors = [distribute_tensor(f, mesh, placements) for f in fulls]
+        tensors: list[torch.Tensor] = [distribute_tensor(f, mesh, placements) for f in fulls]
         if backend.accepts(tensors):
             return tensors
     raise AssertionError(

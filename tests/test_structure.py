@@ -128,3 +128,32 @@ def test_every_public_name_is_on_the_api_page() -> None:
         for module in PUBLIC_MODULES
     }
     assert not {m: names for m, names in missing.items() if names}, missing
+
+
+def _private_torch_imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            private = any(part.startswith("_") for part in (node.module or "").split("."))
+            private = private or any(a.name.startswith("_") for a in node.names)
+            if private:
+                found.append(f"{path.name}:{node.lineno} from {node.module} import ...")
+    return found
+
+
+def test_private_torch_apis_live_in_one_module() -> None:
+    import hyper_parallel_builtins
+
+    roots = [PACKAGE, Path(hyper_parallel_builtins.__file__).parent]
+    found = [
+        hit
+        for root in roots
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "_torch_private.py"
+        for hit in _private_torch_imports(path)
+    ]
+    assert not found, (
+        "import private torch APIs through hyper_parallel.core._torch_private: " + ", ".join(found)
+    )
+    assert _private_torch_imports(PACKAGE / "core" / "_torch_private.py")  # the scan sees them

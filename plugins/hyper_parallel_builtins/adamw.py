@@ -11,12 +11,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.optim.optimizer import (  # type: ignore[attr-defined]
-    _get_fused_kernels_supported_devices,
-)
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import check_group_keys
+from hyper_parallel.core._torch_private import fused_kernel_devices
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = ["AdamW"]
@@ -25,7 +23,7 @@ _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:
-    devices = set(_get_fused_kernels_supported_devices())
+    devices = fused_kernel_devices()
     return bool(params) and all(
         p.device.type in devices and p.dtype in _FUSED_DTYPES and not torch.is_complex(p)
         for p in params

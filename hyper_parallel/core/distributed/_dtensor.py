@@ -1,4 +1,4 @@
-"""DTensor helpers, and the one place that touches DTensor's private API.
+"""DTensor helpers that import nothing until DTensors exist.
 
 ``torch.distributed.tensor`` (and sympy behind it) is most of the import time
 of a process that never shards anything. A DTensor can exist only once its
@@ -7,9 +7,8 @@ module has been imported, so a check that looks the module up in
 actually has DTensors.
 
 FSDP over a tensor-parallel param splits one tensor dim twice; torch writes
-the outer split as ``_StridedShard``, a private placement. Everything here
-that needs it imports it here, so a torch release that renames it breaks one
-module.
+the outer split as ``_StridedShard``, a private placement, reached through
+:mod:`hyper_parallel.core._torch_private`.
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from hyper_parallel.core._torch_private import strided_shard_type
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -54,9 +55,8 @@ def shard_like(local: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
 def split_dim(placement: Any) -> int | None:
     """The tensor dim a placement splits (``Shard`` or FSDP+TP's ``_StridedShard``), else ``None``."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    if isinstance(placement, (Shard, _StridedShard)):
+    if isinstance(placement, (Shard, strided_shard_type())):
         return int(placement.dim)
     return None
 
@@ -69,14 +69,15 @@ def local_indices(t: DTensor, dim: int) -> torch.Tensor:
     strided ones included, with no communication.
     """
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = strided_shard_type()
 
     placements: list[Any] = []
     for p in t.placements:
         if split_dim(p) != dim:
             placements.append(Replicate())
-        elif isinstance(p, _StridedShard):
-            placements.append(_StridedShard(0, split_factor=p.split_factor))
+        elif isinstance(p, strided):
+            placements.append(strided(0, split_factor=p.split_factor))
         else:
             placements.append(Shard(0))
     positions = torch.arange(t.shape[dim])

@@ -53,8 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.optim import Optimizer
 
 # torch's own rule for where foreach kernels exist (the one its clip_grad_norm_ uses).
-from torch.utils._foreach_utils import _device_has_foreach_support
-
+from hyper_parallel.core._torch_private import device_has_foreach_support
 from hyper_parallel.core.errors import (
     HyperParallelRuntimeError,
     HyperParallelTypeError,
@@ -449,7 +448,7 @@ def _by_device_and_dtype(
 def _use_foreach(foreach: bool | None, device: torch.device) -> bool:
     if foreach is False:
         return False
-    if _device_has_foreach_support(device):
+    if device_has_foreach_support(device):
         return True
     if foreach:
         raise HyperParallelRuntimeError(

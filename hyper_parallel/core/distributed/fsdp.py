@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
+from hyper_parallel.core._torch_private import fsdp_param_groups
 from hyper_parallel.core.distributed.mesh import init_device_mesh
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 
@@ -192,7 +193,7 @@ def _install_hooks(module: nn.Module, scaling: GradientScaling) -> None:
     for unit in module.modules():
         if not isinstance(unit, FSDPModule):
             continue
-        groups = unit._get_fsdp_state()._fsdp_param_groups
+        groups = fsdp_param_groups(unit)
         current = [getattr(g, "_all_reduce_hook", None) for g in groups]
         if any(hook is not None and hook is not scaling for hook in current):
             raise HyperParallelValueError(

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
+from hyper_parallel.core._torch_private import PrefixStore, Store, TCPStore
 from hyper_parallel.core.errors import (
     HyperParallelImportError,
     HyperParallelRuntimeError,

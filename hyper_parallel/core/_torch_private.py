@@ -1,0 +1,53 @@
+"""Every private torch API hyper_parallel uses, in one place.
+
+A torch release that renames one of these breaks this module alone, and the
+tests that exercise each helper (FSDP x TP layouts, the gradient scaling
+factor, clipping on devices without foreach kernels) say which.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# The stores torchrun's agent uses; public classes, defined in a private module.
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+__all__ = [
+    "PrefixStore",
+    "Store",
+    "TCPStore",
+    "device_has_foreach_support",
+    "fsdp_param_groups",
+    "fused_kernel_devices",
+    "strided_shard_type",
+]
+
+
+def strided_shard_type() -> Any:
+    """DTensor's ``_StridedShard``: FSDP's outer split of a tensor-parallel dim."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard
+
+
+def fsdp_param_groups(unit: Any) -> list[Any]:
+    """The FSDP2 param groups of an ``FSDPModule`` (whose all-reduce hook slot we share)."""
+    return list(unit._get_fsdp_state()._fsdp_param_groups)
+
+
+def device_has_foreach_support(device: torch.device) -> bool:
+    """Whether torch has foreach kernels for tensors on ``device``."""
+    from torch.utils._foreach_utils import _device_has_foreach_support
+
+    return bool(_device_has_foreach_support(device))
+
+
+def fused_kernel_devices() -> set[str]:
+    """Device types torch's fused optimizer kernels (fused AdamW) run on."""
+    from torch.optim.optimizer import (  # type: ignore[attr-defined]
+        _get_fused_kernels_supported_devices,
+    )
+
+    return set(_get_fused_kernels_supported_devices())
