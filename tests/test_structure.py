@@ -58,16 +58,16 @@ def _builtin_raises(path: Path) -> list[str]:
     return found
 
 
-def test_every_error_raised_is_a_hyper_parallel_error() -> None:
+def _shipped_sources() -> list[Path]:
+    """Every module of the distribution: hyper_parallel and the built-in plugins."""
     import hyper_parallel_builtins
 
     roots = [PACKAGE, Path(hyper_parallel_builtins.__file__).parent]
-    found = [
-        hit
-        for root in roots
-        for path in sorted(root.rglob("*.py"))
-        for hit in _builtin_raises(path)
-    ]
+    return [path for root in roots for path in sorted(root.rglob("*.py"))]
+
+
+def test_every_error_raised_is_a_hyper_parallel_error() -> None:
+    found = [hit for path in _shipped_sources() for hit in _builtin_raises(path)]
     assert not found, "raise a hyper_parallel.core.errors class instead: " + ", ".join(found)
 
 
@@ -143,13 +143,9 @@ def _private_torch_imports(path: Path) -> list[str]:
 
 
 def test_private_torch_apis_live_in_one_module() -> None:
-    import hyper_parallel_builtins
-
-    roots = [PACKAGE, Path(hyper_parallel_builtins.__file__).parent]
     found = [
         hit
-        for root in roots
-        for path in sorted(root.rglob("*.py"))
+        for path in _shipped_sources()
         if path.name != "_torch_private.py"
         for hit in _private_torch_imports(path)
     ]
