@@ -22,12 +22,34 @@ from hyper_parallel.core._suggest import (
 from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.optimizer.chained import ChainedOptimizer
-from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry
+from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry, normalize_name
 
 __all__ = ["get_hyper_optimizer"]
 
 #: Where params with fewer than two dims go when a matrix-only optimizer (Muon) is given them.
 FALLBACK_OPTIMIZER = "adamw"
+
+#: Family configuration: the families on unless set to None, in the order they are chained.
+DEFAULT_FAMILIES: tuple[str, ...] = ("muon", "sinkhorn", "adamw")
+
+#: The partitioner that routes params in family configuration.
+FAMILY_PARTITIONER = "by_family"
+
+#: Keys of a family dict that route params (given to the partitioner); the rest are options.
+FAMILY_ROUTING_KEYS: frozenset[str] = frozenset(
+    {"param_patterns", "param_groups", "head_wise", "head_dim", "head_wise_patterns"}
+)
+
+#: What family configuration replaces; giving one of these with a family keyword is an error.
+_NON_FAMILY_ARGUMENTS = (
+    "muon_params",
+    "adamw_params",
+    "muon_kwargs",
+    "adamw_kwargs",
+    "optimizers",
+    "partitioner",
+    "partitioner_kwargs",
+)
 
 _MAX_NAMES_SHOWN = 5
 
@@ -109,6 +131,7 @@ def _split_prefixed(prefixed: Mapping[str, Any], names: Iterable[str]) -> dict[s
                 "partitioner",
                 "partitioner_kwargs",
                 "sharding",
+                *by_length,
                 *(f"{n}_<option>" for n in by_length),
             ]
             raise HyperParallelTypeError(
@@ -142,7 +165,17 @@ def get_hyper_optimizer(
       ``optimizers={"muon": {"params": [...], "lr": 0.02}, "lion": {...}}``;
     * a partitioner when no params are given: ``partitioner="by_shape"``
       (the default when no params are given at all), with
-      ``partitioner_kwargs``; ``optimizers`` then only carries kwargs.
+      ``partitioner_kwargs``; ``optimizers`` then only carries kwargs;
+    * family configuration: a keyword named after a registered optimizer,
+      ``muon={"lr": 0.02}, sinkhorn=None, adamw={"weight_decay": 0.1}``. A
+      family's dict holds its options plus ``param_patterns`` (regular
+      expressions over param names that override the default routing),
+      ``param_groups`` (``[{"param_patterns": [...], <group options>}]``) and
+      Muon's ``head_wise`` / ``head_dim`` / ``head_wise_patterns``; ``{}`` is
+      the defaults and ``None`` turns the family off. ``muon``, ``sinkhorn``
+      and ``adamw`` are on unless set to ``None``; any other family gets only
+      what its patterns match. The registered ``by_family`` partitioner does
+      the routing; this mode excludes every argument of the three above.
 
     Keyword arguments prefixed with an optimizer's name (``muon_lr=0.02``,
     ``adamw_weight_decay=0.1``) are that optimizer's options.
@@ -164,7 +197,9 @@ def get_hyper_optimizer(
         TypeError: ``model`` is not a module, or an unknown keyword argument
             (with a hint).
         ValueError: a param in two groups, a trainable param in no group (the
-            first names are listed), a param not in ``model``, or no params at all.
+            first names are listed), a param not in ``model``, or no params at all;
+            in family configuration, a pattern that matches no param or a param
+            two families' patterns match.
         UnknownPluginError: an optimizer or partitioner name nobody registered.
     """
     if not isinstance(model, nn.Module):
@@ -173,6 +208,12 @@ def get_hyper_optimizer(
         )
     registry = get_registry()
     specs: dict[str, _Spec] = {}
+    families = _pop_families(prefixed_kwargs)
+    if families:
+        given = (muon_params, adamw_params, muon_kwargs, adamw_kwargs)
+        _reject_mixing(families, (*given, optimizers, partitioner, partitioner_kwargs))
+        optimizers, partitioner_kwargs = _family_options(families)
+        partitioner = FAMILY_PARTITIONER
 
     def add(name: str, params: Any, kwargs: Mapping[str, Any] | None, where: str) -> None:
         entry = registry.get(PluginKind.OPTIMIZER, name)
@@ -227,6 +268,69 @@ def get_hyper_optimizer(
     _drop_frozen_and_duplicates(specs, named)
     _move_vectors_off_matrix_optimizers(specs, named, add)
 
+    _check_options(specs)
+    _check_coverage(model, specs, named)
+    origin = "sharding" if sharding else SHARDING_ENV
+    _resolve_sharding(sharding or os.environ.get(SHARDING_ENV) or None, origin, specs, named)
+    return ChainedOptimizer(_build(specs), param_names=model.named_parameters())
+
+
+def _pop_families(kwargs: dict[str, Any]) -> dict[str, Mapping[str, Any] | None]:
+    """Take the family keywords (a registered optimizer's name: ``muon={...}``) out of kwargs."""
+    names = {
+        normalize_name(alias): entry.name
+        for entry in get_registry().entries(PluginKind.OPTIMIZER)
+        for alias in (entry.name, *entry.aliases)
+    }
+    families: dict[str, Mapping[str, Any] | None] = {}
+    for key in [k for k in kwargs if normalize_name(k) in names]:
+        config, name = kwargs.pop(key), names[normalize_name(key)]
+        if config is not None and not isinstance(config, Mapping):
+            raise HyperParallelTypeError(
+                f"{key}= must be a dict of {name}'s options and param_patterns ({{}} for its "
+                f"defaults), or None to turn the family off; got {type(config).__name__}."
+            )
+        if name in families:
+            raise HyperParallelValueError(
+                f"Family {name!r} is configured twice; configure it once."
+            )
+        families[name] = config
+    return families
+
+
+def _reject_mixing(families: Mapping[str, Any], values: Iterable[Any]) -> None:
+    given = [n for n, v in zip(_NON_FAMILY_ARGUMENTS, values, strict=True) if v is not None]
+    if given:
+        raise HyperParallelTypeError(
+            f"get_hyper_optimizer() got family keywords ({', '.join(f'{n}=' for n in families)}) "
+            f"and {', '.join(f'{n}=' for n in given)}; use one or the other. In family "
+            "configuration a family's dict holds its options, and its param_patterns / "
+            "param_groups say which params it gets."
+        )
+
+
+def _family_options(
+    families: Mapping[str, Mapping[str, Any] | None],
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Family dicts -> each enabled family's optimizer options, and the partitioner's options."""
+    order = [*DEFAULT_FAMILIES, *(n for n in families if n not in DEFAULT_FAMILIES)]
+    options: dict[str, dict[str, Any]] = {}
+    routing: dict[str, dict[str, Any]] = {}
+    for name in order:
+        config = families.get(name, {})
+        if config is not None and "params" in config:
+            raise HyperParallelTypeError(
+                f"{name}= takes no 'params'; select the family's params with 'param_patterns' "
+                "(regular expressions searched in param names)."
+            )
+        if config is not None:
+            routing[name] = {k: v for k, v in config.items() if k in FAMILY_ROUTING_KEYS}
+            options[name] = {k: v for k, v in config.items() if k not in FAMILY_ROUTING_KEYS}
+    return options, {"families": routing}
+
+
+def _check_options(specs: Mapping[str, _Spec]) -> None:
+    """Every option and group key of every optimizer is one it accepts."""
     for spec in specs.values():
         accepted = accepted_keywords(spec.entry.obj, skip=1)
         where = f"optimizer {spec.name!r}"
@@ -239,14 +343,14 @@ def get_hyper_optimizer(
                 f"Give the params of optimizer {spec.name!r} via its params list, not as a keyword."
             )
 
-    _check_coverage(model, specs, named)
-    origin = "sharding" if sharding else SHARDING_ENV
-    _resolve_sharding(sharding or os.environ.get(SHARDING_ENV) or None, origin, specs, named)
+
+def _build(specs: Mapping[str, _Spec]) -> dict[str, Optimizer]:
+    """Build each optimizer that has params; an empty one is not created."""
     built: dict[str, Optimizer] = {}
     for spec in specs.values():
-        if not any(g["params"] for g in spec.groups):
-            continue
         groups = [g for g in spec.groups if g["params"]]
+        if not groups:
+            continue
         optimizer = spec.entry.obj(groups, **spec.kwargs)
         if not isinstance(optimizer, Optimizer):
             raise HyperParallelTypeError(
@@ -259,7 +363,7 @@ def get_hyper_optimizer(
             "get_hyper_optimizer() got no params to optimize: every group is empty "
             "(or every param is frozen)."
         )
-    return ChainedOptimizer(built, param_names=model.named_parameters())
+    return built
 
 
 def _resolve_sharding(
@@ -313,7 +417,9 @@ def _apply_partitioner(
         raise HyperParallelValueError(
             f"Partitioner {entry.name!r} assigns params to {', '.join(map(repr, assignment))}, "
             f"but options were given for {', '.join(map(repr, unassigned))}; "
-            "name optimizers the partitioner uses (see its matrix_optimizer/fallback_optimizer options)."
+            "configure only the optimizers it fills (by_shape, by_name, by_module: see their "
+            "matrix_optimizer/fallback_optimizer options; family configuration: a family set to "
+            "None gets no params)."
         )
 
 
