@@ -35,6 +35,7 @@ from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.plugin import PluginKind, RegisterFn, get_registry
+from hyper_parallel_builtins.partitioners import NORM_TYPES
 
 __all__ = [
     "FAMILY_KEYS",
@@ -68,13 +69,6 @@ _TOKEN_FAMILY = "sinkhorn"
 _FALLBACK_FAMILY = "adamw"
 _DEFAULT_ROUTES = (_MATRIX_FAMILY, _TOKEN_FAMILY, _FALLBACK_FAMILY)
 _DEFAULT_HEAD_WISE = r"(^|\.)(" + "|".join(HEAD_WISE_NAMES) + r")\.weight$"
-_NORM_TYPES: tuple[type[nn.Module], ...] = (
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.LocalResponseNorm,
-    nn.modules.batchnorm._NormBase,
-    getattr(nn, "RMSNorm", nn.LayerNorm),
-)
 _MAX_NAMES_SHOWN = 5
 _GROUP_EXAMPLE = "{'param_patterns': ['embed_tokens'], 'lr': 0.01}"
 
@@ -86,7 +80,7 @@ def is_norm_module(module: nn.Module) -> bool:
     InstanceNorm family) and any module whose class name ends in ``Norm``
     (Hugging Face's ``LlamaRMSNorm``, ``T5LayerNorm``, ...).
     """
-    return isinstance(module, _NORM_TYPES) or type(module).__name__.endswith("Norm")
+    return isinstance(module, NORM_TYPES) or type(module).__name__.endswith("Norm")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,14 @@ from hyper_parallel import hookimpl
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.plugin import RegisterFn
 
-__all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_MUON_KEYS", "by_module", "by_name", "by_shape"]
+__all__ = [
+    "DEFAULT_HEAD_NAMES",
+    "DEFAULT_MUON_KEYS",
+    "NORM_TYPES",
+    "by_module",
+    "by_name",
+    "by_shape",
+]
 
 #: The projection names the user guide sends to Muon.
 DEFAULT_MUON_KEYS: tuple[str, ...] = (
@@ -44,12 +51,19 @@ DEFAULT_HEAD_NAMES: tuple[str, ...] = (
     "score",
 )
 
-_NORM_TYPES: tuple[type[nn.Module], ...] = (
+#: Normalization layers torch ships (other libraries' are recognized by class name).
+NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.LayerNorm,
+    nn.RMSNorm,
     nn.GroupNorm,
     nn.LocalResponseNorm,
-    nn.modules.batchnorm._NormBase,
-    getattr(nn, "RMSNorm", nn.LayerNorm),
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
 )
 
 
@@ -74,7 +88,7 @@ def _trainable(model: nn.Module) -> Iterator[_Param]:
 
 
 def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, _NORM_TYPES) or "norm" in type(module).__name__.lower()
+    return isinstance(module, NORM_TYPES) or "norm" in type(module).__name__.lower()
 
 
 def _head_ids(model: nn.Module, head_names: Sequence[str]) -> set[int]:

@@ -123,13 +123,7 @@ def _split_prefixed(prefixed: Mapping[str, Any], names: Iterable[str]) -> dict[s
                 break
         else:
             known = [
-                "muon_params",
-                "adamw_params",
-                "muon_kwargs",
-                "adamw_kwargs",
-                "optimizers",
-                "partitioner",
-                "partitioner_kwargs",
+                *_NON_FAMILY_ARGUMENTS,
                 "sharding",
                 *by_length,
                 *(f"{n}_<option>" for n in by_length),
