@@ -438,3 +438,17 @@ def test_a_bad_entry_of_each_kind_fails_its_plugin_only(hook: str, obj: Any, mes
         assert "bad" not in get_registry().names("optimizer")
     finally:
         unregister_plugin("broken")
+
+
+def test_each_kind_has_its_own_frozen_record_type() -> None:
+    import dataclasses
+
+    from hyper_parallel.core.plugin.registry import ENTRY_TYPES
+
+    registry = get_registry()
+    for kind, record in ENTRY_TYPES.items():
+        entries = registry.entries(kind)
+        assert entries and all(type(e) is record for e in entries), kind
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            entries[0].name = "changed"  # type: ignore[misc]
+    assert len(set(ENTRY_TYPES.values())) == len(ENTRY_TYPES)

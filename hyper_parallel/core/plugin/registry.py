@@ -43,11 +43,16 @@ from hyper_parallel.core.plugin.markers import PROJECT_NAME
 __all__ = [
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
+    "ENTRY_TYPES",
     "STRICT_ENV",
+    "BackendEntry",
     "LoadedPlugin",
+    "OptimizerEntry",
+    "PartitionerEntry",
     "PluginKind",
     "Registry",
     "RegistryEntry",
+    "ScheduleEntry",
     "get_registry",
     "normalize_name",
     "register_plugin",
@@ -101,7 +106,7 @@ def normalize_name(name: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class RegistryEntry:
-    """One registered optimizer, schedule, partitioner or backend."""
+    """One registered optimizer, schedule, partitioner or backend (each kind has its subclass)."""
 
     kind: PluginKind
     name: str
@@ -116,6 +121,35 @@ class RegistryEntry:
         """Where the entry came from, for messages and ``hyper-parallel plugins``."""
         where = self.distribution or "registered in-process"
         return f"plugin {self.plugin!r} ({where})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerEntry(RegistryEntry):
+    """A registered optimizer: ``obj(params, **kwargs) -> torch.optim.Optimizer``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleEntry(RegistryEntry):
+    """A registered LR schedule: ``obj(step, *, total_steps, warmup_steps, **options) -> float``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartitionerEntry(RegistryEntry):
+    """A registered partitioner: ``obj(model, **options) -> dict[str, list]``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendEntry(RegistryEntry):
+    """A registered sharding backend: ``obj`` is a ``ShardingBackend`` subclass."""
+
+
+#: The record type of each kind; an entry's object was checked for its kind when registered.
+ENTRY_TYPES: dict[PluginKind, type[RegistryEntry]] = {
+    PluginKind.OPTIMIZER: OptimizerEntry,
+    PluginKind.LR_SCHEDULER: ScheduleEntry,
+    PluginKind.PARTITIONER: PartitionerEntry,
+    PluginKind.SHARDING_BACKEND: BackendEntry,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -422,7 +456,7 @@ class Registry:
                         f"alias {alias!r} of {kind.label} {name!r} is not a valid name."
                     )
             _check_obj(kind, name, obj)
-            entry = RegistryEntry(
+            entry = ENTRY_TYPES[kind](
                 kind=kind,
                 name=normalize_name(name),
                 obj=obj,
