@@ -16,13 +16,14 @@ Loading is lazy (the first lookup), cached, and resettable. Environment:
 from __future__ import annotations
 
 import enum
+import functools
 import importlib.metadata
 import inspect
 import os
 import re
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -308,132 +309,10 @@ class Registry:
         return state
 
     def _load(self) -> _State:
-        strict = os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes")
-        disabled = _env_list(DISABLE_ENV)
-        pm = pluggy.PluginManager(PROJECT_NAME)
-        pm.add_hookspecs(hookspecs)
-        plugins: list[LoadedPlugin] = []
-        failures: list[PluginLoadError] = []
-        origin: dict[str, str | None] = {}
-
-        def fail(error: PluginLoadError, record: LoadedPlugin, cause: BaseException) -> None:
-            if strict:
-                raise error from cause
-            warnings.warn(
-                f"{error} (set {STRICT_ENV}=1 to make this fatal)", RuntimeWarning, stacklevel=4
-            )
-            failures.append(error)
-            plugins.append(record)
-
-        for dist in importlib.metadata.distributions():
-            for ep in dist.entry_points:
-                if ep.group != ENTRY_POINT_GROUP:
-                    continue
-                label = _dist_label(dist)
-                if ep.name in origin:
-                    if origin[ep.name] == label:
-                        continue  # the same distribution seen twice on sys.path
-                    raise DuplicatePluginError(
-                        f"Two distributions provide a plugin named {ep.name!r}: "
-                        f"{origin[ep.name]} and {label}. Uninstall one of them."
-                    )
-                origin[ep.name] = label
-                if normalize_name(ep.name) in disabled:
-                    plugins.append(
-                        LoadedPlugin(
-                            name=ep.name,
-                            distribution=label,
-                            entry_point=ep.value,
-                            status="disabled",
-                        )
-                    )
-                    continue
-                try:
-                    obj = ep.load()
-                    _register_checked(pm, obj, ep.name)
-                except Exception as exc:
-                    error = PluginLoadError(
-                        f"Plugin {ep.name!r} (entry point {ep.value!r} of {label}) failed to load: "
-                        f"{type(exc).__name__}: {exc}",
-                        plugin=ep.name,
-                        distribution=label,
-                    )
-                    record = LoadedPlugin(
-                        name=ep.name,
-                        distribution=label,
-                        entry_point=ep.value,
-                        status="failed",
-                        error=str(error),
-                    )
-                    fail(error, record, exc)
-                    continue
-                plugins.append(
-                    LoadedPlugin(
-                        name=ep.name, distribution=label, entry_point=ep.value, status="loaded"
-                    )
-                )
-
-        for name, obj in self._in_process.items():
-            if normalize_name(name) in disabled:
-                plugins.append(
-                    LoadedPlugin(name=name, distribution=None, entry_point=None, status="disabled")
-                )
-                continue
-            try:
-                _register_checked(pm, obj, name)
-            except Exception as exc:
-                raise PluginLoadError(
-                    f"Plugin {name!r} (registered in-process) is not a valid plugin: {exc}",
-                    plugin=name,
-                    distribution=None,
-                ) from exc
-            origin[name] = None
-            plugins.append(
-                LoadedPlugin(name=name, distribution=None, entry_point=None, status="loaded")
-            )
-
-        entries: dict[PluginKind, dict[str, RegistryEntry]] = {k: {} for k in PluginKind}
-        lookup: dict[PluginKind, dict[str, RegistryEntry]] = {k: {} for k in PluginKind}
-        for kind in PluginKind:
-            hook = getattr(pm.hook, kind.hook_name)
-            # Resolve by name, never by call order: each plugin is called on its own,
-            # in name order, with a register callback that knows who is registering.
-            impls = sorted(
-                (i for i in hook.get_hookimpls() if not (i.hookwrapper or i.wrapper)),
-                key=lambda i: i.plugin_name,
-            )
-            for impl in impls:
-                staged: list[RegistryEntry] = []
-                register = self._make_register(
-                    kind, impl.plugin_name, origin.get(impl.plugin_name), staged
-                )
-                try:
-                    impl.function(register=register)
-                except DuplicatePluginError:
-                    raise  # a name clash is never a plugin's private failure
-                except Exception as exc:
-                    source = origin.get(impl.plugin_name)
-                    error = PluginLoadError(
-                        f"Plugin {impl.plugin_name!r} ({source or 'registered in-process'}) failed in "
-                        f"{kind.hook_name}: {type(exc).__name__}: {exc}",
-                        plugin=impl.plugin_name,
-                        distribution=source,
-                    )
-                    record = LoadedPlugin(
-                        name=impl.plugin_name,
-                        distribution=source,
-                        entry_point=None,
-                        status="failed",
-                        error=str(error),
-                    )
-                    plugins[:] = [p for p in plugins if p.name != impl.plugin_name]
-                    fail(error, record, exc)
-                    continue
-                for entry in staged:
-                    _add_entry(entries[kind], lookup[kind], entry)
-        return _State(
-            entries=entries, lookup=lookup, plugins=plugins, failures=failures, disabled=disabled
-        )
+        loader = _Loader()
+        loader.load_entry_points()
+        loader.load_in_process(self._in_process)
+        return loader.collect(self._make_register)
 
     @staticmethod
     def _make_register(
@@ -520,6 +399,134 @@ def _check_obj(kind: PluginKind, name: str, obj: Any) -> None:
                 f"{what} must be fn(step, *, total_steps, warmup_steps, **options); its "
                 f"signature {signature} lacks {', '.join(lacking)}."
             )
+
+
+class _Loader:
+    """One discovery pass: plugins found, what failed, then the entries they register."""
+
+    def __init__(self) -> None:
+        self.strict = os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes")
+        self.disabled = _env_list(DISABLE_ENV)
+        self.pm = pluggy.PluginManager(PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: list[LoadedPlugin] = []
+        self.failures: list[PluginLoadError] = []
+        self.origin: dict[str, str | None] = {}  # plugin name -> distribution label
+
+    def fail(self, error: PluginLoadError, record: LoadedPlugin, cause: BaseException) -> None:
+        """Record a plugin that failed (fatal under ``HYPER_PARALLEL_STRICT_PLUGINS``)."""
+        if self.strict:
+            raise error from cause
+        warnings.warn(
+            f"{error} (set {STRICT_ENV}=1 to make this fatal)", RuntimeWarning, stacklevel=5
+        )
+        self.failures.append(error)
+        self.plugins.append(record)
+
+    def load_entry_points(self) -> None:
+        """Import and register every plugin of the ``hyper_parallel`` entry-point group."""
+        for dist in importlib.metadata.distributions():
+            for ep in dist.entry_points:
+                if ep.group == ENTRY_POINT_GROUP:
+                    self._load_entry_point(ep, _dist_label(dist))
+
+    def _load_entry_point(self, ep: importlib.metadata.EntryPoint, label: str) -> None:
+        if ep.name in self.origin:
+            if self.origin[ep.name] == label:
+                return  # the same distribution seen twice on sys.path
+            raise DuplicatePluginError(
+                f"Two distributions provide a plugin named {ep.name!r}: "
+                f"{self.origin[ep.name]} and {label}. Uninstall one of them."
+            )
+        self.origin[ep.name] = label
+        record = functools.partial(
+            LoadedPlugin, name=ep.name, distribution=label, entry_point=ep.value
+        )
+        if normalize_name(ep.name) in self.disabled:
+            self.plugins.append(record(status="disabled"))
+            return
+        try:
+            _register_checked(self.pm, ep.load(), ep.name)
+        except Exception as exc:
+            error = PluginLoadError(
+                f"Plugin {ep.name!r} (entry point {ep.value!r} of {label}) failed to load: "
+                f"{type(exc).__name__}: {exc}",
+                plugin=ep.name,
+                distribution=label,
+            )
+            self.fail(error, record(status="failed", error=str(error)), exc)
+            return
+        self.plugins.append(record(status="loaded"))
+
+    def load_in_process(self, in_process: Mapping[str, object]) -> None:
+        """Register the plugins given to :meth:`Registry.register_plugin`."""
+        for name, obj in in_process.items():
+            record = functools.partial(LoadedPlugin, name=name, distribution=None, entry_point=None)
+            if normalize_name(name) in self.disabled:
+                self.plugins.append(record(status="disabled"))
+                continue
+            try:
+                _register_checked(self.pm, obj, name)
+            except Exception as exc:
+                raise PluginLoadError(
+                    f"Plugin {name!r} (registered in-process) is not a valid plugin: {exc}",
+                    plugin=name,
+                    distribution=None,
+                ) from exc
+            self.origin[name] = None
+            self.plugins.append(record(status="loaded"))
+
+    def collect(self, make_register: Callable[..., Callable[..., None]]) -> _State:
+        """Call every plugin's hooks, kind by kind, and index what they register."""
+        entries: dict[PluginKind, dict[str, RegistryEntry]] = {k: {} for k in PluginKind}
+        lookup: dict[PluginKind, dict[str, RegistryEntry]] = {k: {} for k in PluginKind}
+        for kind in PluginKind:
+            hook = getattr(self.pm.hook, kind.hook_name)
+            # Resolve by name, never by call order: each plugin is called on its own,
+            # in name order, with a register callback that knows who is registering.
+            impls = sorted(
+                (i for i in hook.get_hookimpls() if not (i.hookwrapper or i.wrapper)),
+                key=lambda i: i.plugin_name,
+            )
+            for impl in impls:
+                for entry in self._call_hook(kind, impl, make_register):
+                    _add_entry(entries[kind], lookup[kind], entry)
+        return _State(
+            entries=entries,
+            lookup=lookup,
+            plugins=self.plugins,
+            failures=self.failures,
+            disabled=self.disabled,
+        )
+
+    def _call_hook(
+        self, kind: PluginKind, impl: Any, make_register: Callable[..., Callable[..., None]]
+    ) -> list[RegistryEntry]:
+        """What one plugin registers for ``kind``; nothing if its hook fails."""
+        source = self.origin.get(impl.plugin_name)
+        staged: list[RegistryEntry] = []
+        try:
+            impl.function(register=make_register(kind, impl.plugin_name, source, staged))
+        except DuplicatePluginError:
+            raise  # a name clash is never a plugin's private failure
+        except Exception as exc:
+            error = PluginLoadError(
+                f"Plugin {impl.plugin_name!r} ({source or 'registered in-process'}) failed in "
+                f"{kind.hook_name}: {type(exc).__name__}: {exc}",
+                plugin=impl.plugin_name,
+                distribution=source,
+            )
+            record = LoadedPlugin(
+                name=impl.plugin_name,
+                distribution=source,
+                entry_point=None,
+                status="failed",
+                error=str(error),
+            )
+            self.plugins[:] = [p for p in self.plugins if p.name != impl.plugin_name]
+            self.fail(error, record, exc)
+            return []
+        return staged
 
 
 def _register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
