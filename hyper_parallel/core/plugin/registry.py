@@ -18,7 +18,6 @@ from __future__ import annotations
 import enum
 import functools
 import importlib.metadata
-import inspect
 import os
 import re
 import threading
@@ -39,6 +38,7 @@ from hyper_parallel.core.errors import (
     UnknownPluginError,
 )
 from hyper_parallel.core.plugin import hookspecs
+from hyper_parallel.core.plugin.checks import check_obj
 from hyper_parallel.core.plugin.markers import PROJECT_NAME
 
 __all__ = [
@@ -334,7 +334,7 @@ class Registry:
                     raise HyperParallelValueError(
                         f"alias {alias!r} of {kind.label} {name!r} is not a valid name."
                     )
-            _check_obj(kind, name, obj)
+            check_obj(kind, name, obj)
             entry = ENTRY_TYPES[kind](
                 kind=kind,
                 name=normalize_name(name),
@@ -350,55 +350,6 @@ class Registry:
             staged.append(entry)
 
         return register
-
-
-# What each kind's object must be, checked once, at registration, so a bad entry is
-# reported against its plugin instead of failing later for every user.
-_BACKEND_METHODS = ("accepts", "shard_model", "map_blocks", "map_reductions")
-
-
-def _check_obj(kind: PluginKind, name: str, obj: Any) -> None:
-    """Raise ``TypeError`` if ``obj`` is not what the hookspec of ``kind`` asks for."""
-    what = f"{kind.label} {name!r}"
-    if kind is PluginKind.SHARDING_BACKEND:
-        methods = [m for m in _BACKEND_METHODS if not callable(getattr(obj, m, None))]
-        if not inspect.isclass(obj) or methods or inspect.isabstract(obj):
-            missing = f" (missing {', '.join(methods)})" if methods else ""
-            raise HyperParallelTypeError(
-                f"{what} must be a concrete subclass of "
-                f"hyper_parallel.core.distributed.ShardingBackend{missing}, got {obj!r}."
-            )
-        return
-    if not callable(obj):
-        raise HyperParallelTypeError(f"{what} must be callable, got {type(obj).__name__}.")
-    try:
-        signature = inspect.signature(obj)
-    except (TypeError, ValueError):
-        return  # a builtin without a signature: nothing more to check
-    params = list(signature.parameters.values())
-    if inspect.isclass(obj) and params and params[0].name == "self":
-        params = params[1:]
-    variadic = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    first = {
-        PluginKind.OPTIMIZER: "params",
-        PluginKind.LR_SCHEDULER: "step",
-        PluginKind.PARTITIONER: "model",
-    }[kind]
-    if not positional and not variadic:
-        raise HyperParallelTypeError(
-            f"{what} must take {first} as its first positional argument; its signature is "
-            f"{signature}."
-        )
-    if kind is PluginKind.LR_SCHEDULER:
-        names = {p.name for p in params}
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-        lacking = [k for k in ("total_steps", "warmup_steps") if k not in names and not takes_any]
-        if lacking:
-            raise HyperParallelTypeError(
-                f"{what} must be fn(step, *, total_steps, warmup_steps, **options); its "
-                f"signature {signature} lacks {', '.join(lacking)}."
-            )
 
 
 class _Loader:
