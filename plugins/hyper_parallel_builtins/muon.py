@@ -104,7 +104,7 @@ def default_ns_dtype(param: Tensor) -> torch.dtype:
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-def _check_options(options: dict[str, Any]) -> None:
+def _validate_options(options: dict[str, Any]) -> None:
     """Raise ``ValueError`` for an out-of-range or unknown hyperparameter."""
     lr = options["lr"]
     if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -171,7 +171,8 @@ def lr_scale(rows: int, cols: int, group: Mapping[str, Any]) -> float:
     return math.sqrt(max(1.0, rows / cols)) if cols else 1.0
 
 
-def _check_param(param: Tensor) -> None:
+def _validate_param(param: Tensor, group: Mapping[str, Any]) -> None:
+    """Refuse vectors, complex params, and row splits (``head_dim``, ``split_rows``) that do not fit."""
     if param.ndim < 2:
         raise HyperParallelValueError(
             f"Muon only updates matrices, but got a param of shape {tuple(param.shape)} "
@@ -184,6 +185,7 @@ def _check_param(param: Tensor) -> None:
             f"Muon does not support complex params (got {param.dtype}, shape "
             f"{tuple(param.shape)}); optimize them with AdamW or view them as real."
         )
+    _need(param.shape, group)
 
 
 def _row_heights(shape: torch.Size, group: Mapping[str, Any]) -> tuple[int, ...] | None:
@@ -371,14 +373,11 @@ class Muon(MatrixOptimizer):
             "head_dim": head_dim,
             "split_rows": split_rows,
         }
-        _check_options(defaults)
         super().__init__(params, defaults)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        _check_options(group)
-        for p in group["params"]:
-            _check_param(p)
-            _need(p.shape, group)
+    _check_options = staticmethod(_validate_options)
+
+    _check_param = staticmethod(_validate_param)
 
     def _orthogonalize(self, updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
         """Newton-Schulz of every update in ``group``, scaled by each block's lr adjustment.

@@ -42,7 +42,7 @@ def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_options(options: Mapping[str, Any]) -> None:
+def _validate_options(options: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` for an out-of-range option, naming it and saying what is accepted."""
     lr = options["lr"]
     if isinstance(lr, Tensor):
@@ -92,7 +92,8 @@ def _check_options(options: Mapping[str, Any]) -> None:
         )
 
 
-def _check_param(param: Tensor) -> None:
+def _validate_param(param: Tensor, group: Mapping[str, Any]) -> None:
+    """Refuse a param that is not a real 2-D matrix (no group option changes that)."""
     if param.ndim != 2:
         raise HyperParallelValueError(
             f"Sinkhorn only updates 2-D matrices (it normalizes their rows and columns), but got "
@@ -239,13 +240,11 @@ class Sinkhorn(MatrixOptimizer):
             "weight_decay": weight_decay,
             "sharding": sharding,
         }
-        _check_options(defaults)
         super().__init__(params, defaults)
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        _check_options(group)
-        for p in group["params"]:
-            _check_param(p)
+    _check_options = staticmethod(_validate_options)
+
+    _check_param = staticmethod(_validate_param)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict``, keeping momentum buffers in their float32 (or float64) dtype.

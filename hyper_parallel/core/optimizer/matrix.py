@@ -29,7 +29,8 @@ __all__ = ["MatrixOptimizer", "by_device_and_dtype", "momentum_updates"]
 class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
     """Base class of matrix optimizers: one transform per matrix, on any layout.
 
-    Subclasses implement :meth:`_check_group` and :meth:`_step_group`, and
+    Subclasses implement :meth:`_check_options`, :meth:`_check_param` and
+    :meth:`_step_group`, and
     reach the group's data through :meth:`sharding_backend`: its
     ``map_blocks`` for whole matrices or row blocks, its ``map_reductions``
     for row and column sums. The backend is resolved when a group is added
@@ -45,6 +46,7 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
     extra_group_defaults: ClassVar[Mapping[str, Any]] = {"sharding": None}
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+        self._check_options(defaults)  # the constructor's own arguments, before any group
         self._backends = GroupBackends()  # before super() adds the groups
         super().__init__(params, defaults)
 
@@ -114,9 +116,19 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
         """A zero momentum buffer for ``param`` (by default shaped, laid out and typed like ``grad``)."""
         return torch.zeros_like(grad, memory_format=torch.preserve_format)
 
-    @abc.abstractmethod
     def _check_group(self, group: dict[str, Any]) -> None:
         """Raise ``ValueError`` for a bad option or param of a group being added."""
+        self._check_options(group)
+        for p in group["params"]:
+            self._check_param(p, group)
+
+    @abc.abstractmethod
+    def _check_options(self, options: dict[str, Any]) -> None:
+        """Raise ``ValueError`` for an out-of-range option (of the constructor or a group)."""
+
+    @abc.abstractmethod
+    def _check_param(self, param: Tensor, group: dict[str, Any]) -> None:
+        """Raise ``ValueError`` for a param the update cannot take under ``group``'s options."""
 
     @abc.abstractmethod
     def _step_group(self, group: dict[str, Any]) -> None:
