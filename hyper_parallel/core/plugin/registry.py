@@ -364,15 +364,39 @@ class _Loader:
         self.failures: list[PluginLoadError] = []
         self.origin: dict[str, str | None] = {}  # plugin name -> distribution label
 
-    def fail(self, error: PluginLoadError, record: LoadedPlugin, cause: BaseException) -> None:
-        """Record a plugin that failed (fatal under ``HYPER_PARALLEL_STRICT_PLUGINS``)."""
+    def fail(
+        self, plugin: str, what: str, cause: BaseException, entry_point: str | None = None
+    ) -> None:
+        """Record that ``plugin`` failed ("failed to load", "failed in <hook>"), warning once.
+
+        Fatal under ``HYPER_PARALLEL_STRICT_PLUGINS``; otherwise the plugin is
+        listed as failed (replacing any earlier record of it) and the others
+        load on.
+        """
+        source = self.origin.get(plugin)
+        where = f"entry point {entry_point!r} of {source}" if entry_point else source
+        error = PluginLoadError(
+            f"Plugin {plugin!r} ({where or 'registered in-process'}) {what}: "
+            f"{type(cause).__name__}: {cause}",
+            plugin=plugin,
+            distribution=source,
+        )
         if self.strict:
             raise error from cause
         warnings.warn(
             f"{error} (set {STRICT_ENV}=1 to make this fatal)", RuntimeWarning, stacklevel=5
         )
         self.failures.append(error)
-        self.plugins.append(record)
+        self.plugins[:] = [p for p in self.plugins if p.name != plugin]
+        self.plugins.append(
+            LoadedPlugin(
+                name=plugin,
+                distribution=source,
+                entry_point=entry_point,
+                status="failed",
+                error=str(error),
+            )
+        )
 
     def load_entry_points(self) -> None:
         """Import and register every plugin of the ``hyper_parallel`` entry-point group."""
@@ -399,13 +423,7 @@ class _Loader:
         try:
             _register_checked(self.pm, ep.load(), ep.name)
         except Exception as exc:
-            error = PluginLoadError(
-                f"Plugin {ep.name!r} (entry point {ep.value!r} of {label}) failed to load: "
-                f"{type(exc).__name__}: {exc}",
-                plugin=ep.name,
-                distribution=label,
-            )
-            self.fail(error, record(status="failed", error=str(error)), exc)
+            self.fail(ep.name, "failed to load", exc, entry_point=ep.value)
             return
         self.plugins.append(record(status="loaded"))
 
@@ -454,28 +472,14 @@ class _Loader:
         self, kind: PluginKind, impl: Any, make_register: Callable[..., Callable[..., None]]
     ) -> list[RegistryEntry]:
         """What one plugin registers for ``kind``; nothing if its hook fails."""
-        source = self.origin.get(impl.plugin_name)
         staged: list[RegistryEntry] = []
+        source = self.origin.get(impl.plugin_name)
         try:
             impl.function(register=make_register(kind, impl.plugin_name, source, staged))
         except DuplicatePluginError:
             raise  # a name clash is never a plugin's private failure
         except Exception as exc:
-            error = PluginLoadError(
-                f"Plugin {impl.plugin_name!r} ({source or 'registered in-process'}) failed in "
-                f"{kind.hook_name}: {type(exc).__name__}: {exc}",
-                plugin=impl.plugin_name,
-                distribution=source,
-            )
-            record = LoadedPlugin(
-                name=impl.plugin_name,
-                distribution=source,
-                entry_point=None,
-                status="failed",
-                error=str(error),
-            )
-            self.plugins[:] = [p for p in self.plugins if p.name != impl.plugin_name]
-            self.fail(error, record, exc)
+            self.fail(impl.plugin_name, f"failed in {kind.hook_name}", exc)
             return []
         return staged
 
