@@ -198,13 +198,32 @@ def _max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
+def _ours_against_gather_all(
+    sharded: Callable[[], list[nn.Parameter]], repeats: int, results: dict[str, float]
+) -> tuple[torch.optim.Optimizer, float]:
+    """Time ours and the gather-all baseline on fresh copies of the same params.
+
+    Both take one step first (it doubles as the warm-up) and must agree;
+    returns our optimizer and the largest difference over ranks.
+    """
+    from hyper_parallel.testing import plugin_registered
+    from hyper_parallel_builtins.muon import Muon
+
+    with plugin_registered(_BenchmarkPlugin, name="benchmark_gather_all"):
+        ours = Muon(sharded(), lr=LR, sharding="fsdp")
+        gather = Muon(sharded(), lr=LR, sharding="gather_all")
+        diff = _max_over_ranks(_same_step(ours, gather))
+        results["ours"] = _time(ours.step, repeats, warm=False)
+        results["gather_all"] = _time(gather.step, repeats, warm=False)
+    return ours, diff
+
+
 def _fsdp_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     """FSDP rows: ``world`` ranks, ``Shard(0)`` params."""
     _init(rank, world, port)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from hyper_parallel.testing import plugin_registered
     from hyper_parallel_builtins.muon import Muon
 
     mesh = init_device_mesh("cpu", (world,))
@@ -231,14 +250,9 @@ def _fsdp_worker(rank: int, world: int, port: int, args: argparse.Namespace, out
         results["one_process"] = _time(one.step, args.repeats, sync=False)
         state_bytes["one_process"] = _state_bytes(one)
     dist.barrier()
-    with plugin_registered(_BenchmarkPlugin, name="benchmark_gather_all"):
-        ours = Muon(sharded(), lr=LR, sharding="fsdp")
-        gather = Muon(sharded(), lr=LR, sharding="gather_all")
-        diff = _max_over_ranks(_same_step(ours, gather))
-        results["ours"] = _time(ours.step, args.repeats, warm=False)
-        results["gather_all"] = _time(gather.step, args.repeats, warm=False)
+    ours, diff = _ours_against_gather_all(sharded, args.repeats, results)
     state_bytes["ours"] = _state_bytes(ours)
-    del ours, gather
+    del ours
     ours_bf16 = Muon(sharded(), lr=LR, sharding="fsdp", ns_dtype=torch.bfloat16)
     results["ours_bf16"] = _time(ours_bf16.step, args.repeats)
     del ours_bf16
@@ -262,9 +276,6 @@ def _tp_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: 
         RowwiseParallel,
         parallelize_module,
     )
-
-    from hyper_parallel.testing import plugin_registered
-    from hyper_parallel_builtins.muon import Muon
 
     mesh = init_device_mesh("cpu", TP_MESH, mesh_dim_names=("dp", "tp"))
     hidden = transformer_shapes(args.tp_dim, 1)[4][0]
@@ -292,12 +303,7 @@ def _tp_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: 
         return params
 
     results: dict[str, float] = {}
-    with plugin_registered(_BenchmarkPlugin, name="benchmark_gather_all"):
-        ours = Muon(sharded(), lr=LR, sharding="fsdp")
-        gather = Muon(sharded(), lr=LR, sharding="gather_all")
-        diff = _max_over_ranks(_same_step(ours, gather))
-        results["ours"] = _time(ours.step, args.repeats, warm=False)
-        results["gather_all"] = _time(gather.step, args.repeats, warm=False)
+    _, diff = _ours_against_gather_all(sharded, args.repeats, results)
     if rank == 0:
         record = {"seconds": results, "max_abs_diff": diff, "placements": placements}
         Path(out).write_text(json.dumps(record))
