@@ -10,7 +10,7 @@ Layout of ``root`` as written by :class:`CheckpointManager`::
 
     root/
         step_00000010/          # one checkpoint
-            .metadata, *.distcp # DCP: tensors only (model, optimizer state)
+            .metadata, *.distcp # DCP: tensors only (model, optimizer state, fp32 main params)
             hyper_parallel.json # step, extra, scheduler, group hyperparams
         latest                  # name of the newest complete checkpoint
 
@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 from torch.optim import Optimizer
 
+from hyper_parallel.core._torch_private import checkpoint_fqn
 from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelValueError
 
 __all__ = [
@@ -110,6 +111,36 @@ def _named_optimizers(optimizer: Optimizer) -> dict[str, Optimizer]:
     if isinstance(subs, Mapping):
         return {str(k): v for k, v in subs.items()}
     return {"optimizer": optimizer}
+
+
+class _OptimizerView:
+    """What DCP's optimizer state dict calls sees as ``model``: the params the optimizer holds.
+
+    Without fp32 main params that is the model itself. With them, the
+    optimizers hold the main copies, so a stand-in module holds each main
+    copy (and every other param) under the model param's name: the optimizer
+    state keeps the model's names, and the main copies are saved by name too.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
+        mains = getattr(optimizer, "main_params", None)
+        self.module = model
+        self.mains: dict[str, torch.Tensor] = {}
+        if mains is None or not len(mains):
+            return
+        self.module = nn.Module()
+        for name, param in model.named_parameters():
+            fqn = checkpoint_fqn(model, name)
+            held = mains.main_of(param)
+            *path, leaf = fqn.split(".")
+            owner = self.module
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]  # type: ignore[assignment]
+            owner.register_parameter(leaf, held)  # type: ignore[arg-type]
+            if held is not param:
+                self.mains[fqn] = held.detach()
 
 
 def _json_value(value: Any, where: str) -> Any:
@@ -268,11 +299,14 @@ def save(
     target = Path(path)
     tmp = target.parent / f".tmp-{target.name}"
     named = _named_optimizers(optimizer)
+    view = _OptimizerView(model, optimizer)
     tensors: dict[str, Any] = {"model": get_model_state_dict(model), "optim": {}}
+    if view.mains:
+        tensors["main"] = view.mains
     plain: dict[str, Any] = {}
     for name, opt in named.items():
         tensors["optim"][name], plain[name] = _split_optimizer(
-            get_optimizer_state_dict(model, opt), name
+            get_optimizer_state_dict(view.module, opt), name
         )
     meta = {
         "format": "hyper_parallel.checkpoint",
@@ -280,6 +314,7 @@ def save(
         "step": int(step),
         "extra": _json_value(dict(extra or {}), "extra"),
         "optimizers": list(named),
+        "main_params": sorted(view.mains),
         "optimizer_plain": plain,
         "scheduler": None
         if scheduler is None
@@ -353,11 +388,15 @@ def load(
         )
     if scheduler is not None and meta["scheduler"] is None:
         raise CheckpointError(f"{ckpt} holds no scheduler state, but a scheduler was given.")
+    view = _OptimizerView(model, optimizer)
+    _check_main_params(ckpt, meta, view)
     model_sd = get_model_state_dict(model)
     current: dict[str, Any] = {}
     tensors: dict[str, Any] = {"model": model_sd, "optim": {}}
+    if view.mains:
+        tensors["main"] = view.mains  # DCP loads into the main copies in place
     for name, opt in named.items():
-        osd = get_optimizer_state_dict(model, opt)  # creates lazy state if needed
+        osd = get_optimizer_state_dict(view.module, opt)  # creates lazy state if needed
         saved_groups = meta["optimizer_plain"][name]["param_groups"]
         if len(saved_groups) != len(osd["param_groups"]):
             raise CheckpointError(
@@ -388,10 +427,27 @@ def load(
                 if key != "params":
                     group[key] = _like(value, group.get(key))
             group.update(loaded[_GROUP_TENSOR_PREFIX].get(str(index), {}))
-        set_optimizer_state_dict(model, opt, osd)
+        set_optimizer_state_dict(view.module, opt, osd)
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
     return int(meta["step"])
+
+
+def _check_main_params(ckpt: Path, meta: Mapping[str, Any], view: _OptimizerView) -> None:
+    saved, have = meta.get("main_params", []), sorted(view.mains)
+    if saved == have:
+        return
+    if not saved or not have:
+        held, given = ("holds", "has none") if saved else ("holds none", "has them")
+        raise CheckpointError(
+            f"{ckpt} {held} fp32 main params, but the optimizer given {given}; build the "
+            f"optimizer as it was saved (get_hyper_optimizer(..., fp32_main_params={bool(saved)}))."
+        )
+    raise CheckpointError(
+        f"{ckpt} holds fp32 main params for {len(saved)} params, the optimizer given has them "
+        f"for {len(have)}; they differ at "
+        f"{', '.join(sorted(set(saved) ^ set(have))[:5])}."
+    )
 
 
 def _read_latest(root: Path) -> Path | None:

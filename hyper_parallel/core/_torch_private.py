@@ -14,10 +14,13 @@ import torch
 # The stores torchrun's agent uses; public classes, defined in a private module.
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
+from hyper_parallel.core.errors import HyperParallelValueError
+
 __all__ = [
     "PrefixStore",
     "Store",
     "TCPStore",
+    "checkpoint_fqn",
     "device_has_foreach_support",
     "fsdp_param_groups",
     "fused_kernel_devices",
@@ -51,3 +54,20 @@ def fused_kernel_devices() -> set[str]:
     )
 
     return set(_get_fused_kernels_supported_devices())
+
+
+def checkpoint_fqn(model: torch.nn.Module, name: str) -> str:
+    """The name DCP's ``get_optimizer_state_dict`` gives ``model``'s param ``name``.
+
+    It drops wrapper prefixes (``torch.compile``'s ``_orig_mod``, DDP's
+    ``module``), so a checkpoint's keys do not depend on how the model was wrapped.
+    """
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    fqns = _get_fqns(model, name)
+    if len(fqns) != 1:
+        raise HyperParallelValueError(
+            f"Param {name!r} stands for {len(fqns)} params ({', '.join(sorted(fqns))}), as a flat "
+            "parameter of FSDP1 does; shard with fully_shard (FSDP2) instead."
+        )
+    return next(iter(fqns))

@@ -59,6 +59,7 @@ from hyper_parallel.core.errors import (
     HyperParallelTypeError,
     HyperParallelValueError,
 )
+from hyper_parallel.core.optimizer.main_params import grad_tensors
 
 __all__ = ["ParamSource", "clip_grad_norm_"]
 
@@ -241,7 +242,10 @@ def _named_params(parameters: ParamSource, per_optimizer: bool) -> dict[str, lis
                 f"of name -> params; got a {type(parameters).__name__}, which is one optimizer. "
                 "Pass per_optimizer=False to clip all its params together."
             )
-        sources: Mapping[str, Tensor | Iterable[Tensor] | Optimizer] = subs
+        grad_params = getattr(parameters, "grad_params", None)
+        sources: Mapping[str, Tensor | Iterable[Tensor] | Optimizer] = (
+            {name: grad_params(name) for name in subs} if callable(grad_params) else subs
+        )
     elif isinstance(parameters, Mapping):
         sources = parameters
     else:
@@ -266,7 +270,7 @@ def _params_of(source: Tensor | Iterable[Tensor] | Optimizer, what: str) -> list
     if isinstance(source, Tensor):
         return [source]
     if isinstance(source, Optimizer):
-        return [t for group in source.param_groups for t in group["params"]]
+        return grad_tensors(source)
     params = list(source)
     for index, t in enumerate(params):
         if not isinstance(t, Tensor):

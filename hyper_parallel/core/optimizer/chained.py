@@ -15,8 +15,12 @@ from hyper_parallel.core.errors import (
     HyperParallelTypeError,
     HyperParallelValueError,
 )
+from hyper_parallel.core.optimizer.main_params import MainParams
 
-__all__ = ["ChainedOptimizer"]
+__all__ = ["MAIN_PARAMS_KEY", "ChainedOptimizer"]
+
+#: The key of the main copies in :meth:`ChainedOptimizer.state_dict` (when it has them).
+MAIN_PARAMS_KEY = "main_params"
 
 # torch.optim.Optimizer's hook registries, by attribute name.
 _HOOK_DICTS = (
@@ -101,6 +105,12 @@ class ChainedOptimizer(Optimizer):
             ``model.named_parameters()`` or any ``(name, param)`` pairs (a
             tied param keeps its first name). ``get_hyper_optimizer`` passes
             them.
+        main_params: fp32 main copies (:class:`MainParams`) that the
+            sub-optimizers hold in place of low-precision params. Each
+            ``step`` then upcasts the params' gradients into the copies, steps
+            them, and rounds them back into the params; ``state_dict`` holds
+            them. ``get_hyper_optimizer(..., fp32_main_params=True)`` builds
+            them.
 
     Examples:
         >>> opt = ChainedOptimizer({"muon": muon, "adamw": adamw})
@@ -113,6 +123,7 @@ class ChainedOptimizer(Optimizer):
         optimizers: Mapping[str, Optimizer] | Sequence[Optimizer],
         *,
         param_names: Iterable[tuple[str, torch.Tensor]] | None = None,
+        main_params: MainParams | None = None,
     ) -> None:
         named = (
             dict(optimizers)
@@ -151,8 +162,11 @@ class ChainedOptimizer(Optimizer):
                             f"{seen[id(p)]!r} and {name!r}; give each param to one optimizer."
                         )
                     seen[id(p)] = name
+        if main_params is not None:
+            _check_main_params(main_params, named, seen)
         # Not Optimizer.__init__: it would build new param groups; ours are views.
         self.optimizers: dict[str, Optimizer] = named
+        self.main_params = main_params
         self._names: dict[int, str] = {}
         for param_name, param in param_names or ():
             self._names.setdefault(id(param), param_name)
@@ -177,21 +191,47 @@ class ChainedOptimizer(Optimizer):
         # Unlike torch's Optimizer, a copy (deepcopy, pickle) keeps the hooks: a hook
         # that counts steps or logs lrs would otherwise stop silently in the copy.
         hooks = {name: getattr(self, name) for name in _HOOK_DICTS}
-        names = [self._names.get(id(p)) for p in self._params()]
-        return {"optimizers": self.optimizers, "hooks": hooks, "names": names}
+        names = [self._name_of(p) for p in self._params()]
+        return {
+            "optimizers": self.optimizers,
+            "hooks": hooks,
+            "names": names,
+            "main_params": self.main_params,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["optimizers"])  # type: ignore[misc]
+        self.__init__(state["optimizers"], main_params=state.get("main_params"))  # type: ignore[misc]
         for name, hooks in state.get("hooks", {}).items():
             getattr(self, name).update(hooks)
         for param, param_name in zip(self._params(), state.get("names", ()), strict=False):
             if param_name is not None:
-                self._names[id(param)] = param_name
+                self._names[id(self._model_param(param))] = param_name
 
-    def _params(self) -> Iterator[torch.Tensor]:
-        for opt in self.optimizers.values():
-            for group in opt.param_groups:
-                yield from group["params"]
+    def _params(self, name: str | None = None) -> Iterator[torch.Tensor]:
+        for opt_name, opt in self.optimizers.items():
+            if name is None or name == opt_name:
+                for group in opt.param_groups:
+                    yield from group["params"]
+
+    def _model_param(self, param: torch.Tensor) -> torch.Tensor:
+        return param if self.main_params is None else self.main_params.param_of(param)
+
+    def _name_of(self, param: torch.Tensor) -> str | None:
+        return self._names.get(id(self._model_param(param)))
+
+    def grad_params(self, name: str | None = None) -> list[torch.Tensor]:
+        """The tensors that hold the gradients between ``backward`` and ``step``.
+
+        These are the params of every sub-optimizer (or of the one named
+        ``name``), except that a main copy is replaced by the model param it
+        stands for: backward writes the gradient there, and ``step`` moves it
+        into the copy. Clip, check or unscale gradients through these.
+        """
+        if name is not None and name not in self.optimizers:
+            raise HyperParallelKeyError(
+                f"No sub-optimizer named {name!r}; have: {', '.join(self.optimizers)}."
+            )
+        return [self._model_param(p) for p in self._params(name)]
 
     @property
     def param_names_by_optimizer(self) -> dict[str, list[str]]:
@@ -211,7 +251,7 @@ class ChainedOptimizer(Optimizer):
             for group in opt.param_groups:
                 own = group.get("param_names") or [None] * len(group["params"])
                 for param, own_name in zip(group["params"], own, strict=True):
-                    param_name = self._names.get(id(param), own_name)
+                    param_name = self._name_of(param) or own_name
                     if param_name is None:
                         raise HyperParallelValueError(
                             f"A param of shape {tuple(param.shape)} in optimizer {opt_name!r} has "
@@ -248,19 +288,27 @@ class ChainedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.main_params is not None:
+            self.main_params.grads_to_mains()
         for opt in self.optimizers.values():
             opt.step()
+        if self.main_params is not None:
+            self.main_params.mains_to_params()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients of every sub-optimizer's params."""
+        """Reset the gradients of every sub-optimizer's params (and of the main copies' params)."""
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=set_to_none)
+        if self.main_params is not None:
+            self.main_params.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any], optimizer: str | None = None) -> None:
         """Add a param group to the sub-optimizer named ``optimizer``.
 
         ``optimizer`` may be left out only when there is a single sub-optimizer.
+        With main copies, a low-precision param of the group gets one, which
+        the sub-optimizer holds in its place.
         """
         if optimizer is None:
             if len(self.optimizers) != 1:
@@ -275,22 +323,31 @@ class ChainedOptimizer(Optimizer):
             )
         new = param_group["params"]
         new_params = [new] if isinstance(new, torch.Tensor) else list(new)
-        for name, opt in self.optimizers.items():
-            owned = {id(p) for g in opt.param_groups for p in g["params"]}
+        for name in self.optimizers:
+            owned = {id(p) for p in self.grad_params(name)}
             for p in new_params:
                 if id(p) in owned:
                     raise HyperParallelValueError(
                         f"A parameter of shape {tuple(p.shape)} is already optimized by {name!r}."
                     )
+        if self.main_params is not None:
+            mains = self.main_params
+            param_group = {**param_group, "params": [mains.add(p) for p in new_params]}
         self.optimizers[optimizer].add_param_group(param_group)
 
     # -- state -----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The sub-optimizers' state dicts, keyed by name."""
+        """The sub-optimizers' state dicts, keyed by name.
+
+        With main copies, ``state_dict()["main_params"]`` is the list of them,
+        in the order they were made.
+        """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state: dict[str, Any] = {name: opt.state_dict() for name, opt in self.optimizers.items()}
+        if self.main_params is not None:
+            state[MAIN_PARAMS_KEY] = [main.detach() for _, main in self.main_params]
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state)
             if result is not None:
@@ -308,18 +365,25 @@ class ChainedOptimizer(Optimizer):
             result = pre_hook(self, sd)  # type: ignore[arg-type]
             if result is not None:
                 sd = result
-        missing = sorted(set(self.optimizers) - set(sd))
-        unexpected = sorted(set(sd) - set(self.optimizers))
+        expected = {*self.optimizers, *([MAIN_PARAMS_KEY] if self.main_params is not None else [])}
+        missing = sorted(expected - set(sd))
+        unexpected = sorted(set(sd) - expected)
         if missing or unexpected:
             raise HyperParallelValueError(
                 "ChainedOptimizer state dict does not match its sub-optimizers: "
                 f"missing {missing or 'none'}, unexpected {unexpected or 'none'}; "
-                f"this optimizer has {', '.join(self.optimizers)}."
+                f"this optimizer has {', '.join(sorted(expected))}."
             )
         for name, opt in self.optimizers.items():
             _check_compatible(name, opt, sd[name])
+        if self.main_params is not None:
+            _check_mains_compatible(self.main_params, sd[MAIN_PARAMS_KEY])
         for name, opt in self.optimizers.items():
             opt.load_state_dict(sd[name])
+        if self.main_params is not None:
+            with torch.no_grad():
+                for (_, main), saved in zip(self.main_params, sd[MAIN_PARAMS_KEY], strict=True):
+                    main.copy_(saved)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -331,6 +395,44 @@ def _needs_closure(opt: Optimizer) -> bool:
     except (TypeError, ValueError):
         return False
     return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _check_main_params(
+    main_params: MainParams, named: Mapping[str, Optimizer], seen: Mapping[int, str]
+) -> None:
+    """Each main copy is in a sub-optimizer, and no sub-optimizer also holds its param."""
+    if MAIN_PARAMS_KEY in named:
+        raise HyperParallelValueError(
+            f"A sub-optimizer is named {MAIN_PARAMS_KEY!r}, which the chain's state dict uses for "
+            "its main copies; rename that sub-optimizer."
+        )
+    for param, main in main_params:
+        if id(param) in seen:
+            raise HyperParallelValueError(
+                f"A parameter of shape {tuple(param.shape)} is in optimizer {seen[id(param)]!r} "
+                "although it has a main copy; give the optimizer main_params.main_of(param)."
+            )
+        if id(main) not in seen:
+            raise HyperParallelValueError(
+                f"The main copy of a parameter of shape {tuple(param.shape)} is in no "
+                "sub-optimizer; build main_params from the optimizers' params only."
+            )
+
+
+def _check_mains_compatible(main_params: MainParams, saved: Any) -> None:
+    mains = [main for _, main in main_params]
+    if not isinstance(saved, Sequence) or len(saved) != len(mains):
+        count = len(saved) if isinstance(saved, Sequence) else type(saved).__name__
+        raise HyperParallelValueError(
+            f"This ChainedOptimizer has {len(mains)} main copies; the state dict's "
+            f"{MAIN_PARAMS_KEY!r} holds {count}."
+        )
+    for index, (main, value) in enumerate(zip(mains, saved, strict=True)):
+        if not isinstance(value, torch.Tensor) or value.shape != main.shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise HyperParallelValueError(
+                f"Main copy {index} has shape {tuple(main.shape)}; the state dict holds {got}."
+            )
 
 
 def _check_compatible(name: str, opt: Optimizer, saved: Any) -> None:

@@ -22,6 +22,7 @@ from hyper_parallel.core._suggest import (
 from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.optimizer.chained import ChainedOptimizer
+from hyper_parallel.core.optimizer.main_params import MainParams
 from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry, normalize_name
 
 __all__ = ["get_hyper_optimizer"]
@@ -147,6 +148,7 @@ def get_hyper_optimizer(
     partitioner: str | None = None,
     partitioner_kwargs: Mapping[str, Any] | None = None,
     sharding: str | None = None,
+    fp32_main_params: bool = False,
     **prefixed_kwargs: Any,
 ) -> ChainedOptimizer:
     """Build the optimizers for ``model`` and chain them.
@@ -266,7 +268,17 @@ def get_hyper_optimizer(
     _check_coverage(model, specs, named)
     origin = "sharding" if sharding else SHARDING_ENV
     _resolve_sharding(sharding or os.environ.get(SHARDING_ENV) or None, origin, specs, named)
-    return ChainedOptimizer(_build(specs), param_names=model.named_parameters())
+    mains = _main_copies(specs) if fp32_main_params else None
+    return ChainedOptimizer(_build(specs), param_names=model.named_parameters(), main_params=mains)
+
+
+def _main_copies(specs: Mapping[str, _Spec]) -> MainParams:
+    """Give each low-precision param an fp32 main copy, which its optimizer gets instead."""
+    mains = MainParams()
+    for spec in specs.values():
+        for group in spec.groups:
+            group["params"] = [mains.add(p) for p in group["params"]]
+    return mains
 
 
 def _pop_families(kwargs: dict[str, Any]) -> dict[str, Mapping[str, Any] | None]:

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from hyper_parallel.core.distributed._dtensor import local_tensor
+from hyper_parallel.core.optimizer.main_params import grad_tensors
 
 __all__ = ["grads_are_finite", "step_if_finite"]
 
@@ -14,27 +15,17 @@ __all__ = ["grads_are_finite", "step_if_finite"]
 def grads_are_finite(optimizer: Optimizer) -> bool:
     """Whether every gradient of ``optimizer``'s params is finite, on every rank.
 
+    With fp32 main params, the gradients checked are the model params' (see
+    :func:`~hyper_parallel.core.optimizer.main_params.grad_tensors`).
+
     Sharded gradients (DTensors) are checked on their local shards and the
     verdict is combined over the default process group, so all ranks agree
     (and must all call this).
     """
-    local_ok = True
-    for group in optimizer.param_groups:
-        grads = [p.grad for p in group["params"] if p.grad is not None]
-        locals_ = [local_tensor(g) for g in grads]
-        if locals_ and not all(bool(torch.isfinite(g).all()) for g in locals_ if g.numel()):
-            local_ok = False
-            break
+    grads = [g for p in grad_tensors(optimizer) if (g := p.grad) is not None]
+    local_ok = all(bool(torch.isfinite(g).all()) for g in map(local_tensor, grads) if g.numel())
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device = next(
-            (
-                g.device
-                for grp in optimizer.param_groups
-                for p in grp["params"]
-                if (g := p.grad) is not None
-            ),
-            torch.device("cpu"),
-        )
+        device = grads[0].device if grads else torch.device("cpu")
         flag = torch.tensor([0.0 if local_ok else 1.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item() == 0.0)

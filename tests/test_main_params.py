@@ -1,0 +1,263 @@
+"""fp32 main params: a bf16 model trained through fp32 main copies."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_distributed
+from torch import nn
+
+from conftest import TinyLM, lm_loss
+from hyper_parallel import (
+    ChainedOptimizer,
+    checkpoint,
+    get_hyper_lr_scheduler,
+    get_hyper_optimizer,
+    grads_are_finite,
+)
+from hyper_parallel.checkpoint import CheckpointError, CheckpointManager
+from hyper_parallel.core.distributed import clip_grad_norm_
+from hyper_parallel.core.optimizer.main_params import MainParams
+
+STEPS = 60
+FAMILIES: dict[str, Any] = {
+    "muon": {"lr": 0.02},
+    "sinkhorn": {"lr": 0.01},
+    "adamw": {"lr": 3e-3, "weight_decay": 0.1},
+}
+
+
+def _batch(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def _bf16_model() -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM().to(torch.bfloat16)
+
+
+def _build(model: nn.Module | None = None, **kwargs: Any) -> tuple[nn.Module, ChainedOptimizer]:
+    model = _bf16_model() if model is None else model
+    return model, get_hyper_optimizer(model, **FAMILIES, fp32_main_params=True, **kwargs)
+
+
+def _mains(opt: ChainedOptimizer) -> dict[int, torch.Tensor]:
+    assert opt.main_params is not None
+    return {id(param): main for param, main in opt.main_params}
+
+
+def _train(model: nn.Module, opt: Any, steps: int, sched: Any = None) -> None:
+    for _ in range(steps):
+        lm_loss(model, _batch()).backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+
+
+def test_main_copies_match_an_fp32_run_bitwise_and_round_into_the_params() -> None:
+    model, opt = _build()
+    reference = copy.deepcopy(model).float()
+    ref_opt = get_hyper_optimizer(reference, **FAMILIES)
+    for _ in range(STEPS):
+        lm_loss(model, _batch()).backward()
+        for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
+            ref.grad = param.grad.float()  # the same gradients, upcast
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    mains = _mains(opt)
+    assert len(mains) == len(list(model.parameters()))  # every bf16 param has one
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        main = mains[id(param)]
+        assert param.dtype == torch.bfloat16 and main.dtype == torch.float32, name
+        assert torch.equal(main, ref), name
+        assert torch.equal(param, main.to(torch.bfloat16)), name
+        assert main.grad is None and param.grad is None, name
+    for sub in opt.optimizers.values():
+        buffers = [t for s in sub.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        assert buffers and all(t.dtype == torch.float32 for t in buffers if t.is_floating_point())
+
+
+def test_adamw_updates_below_half_a_bf16_ulp_still_land() -> None:
+    def run(fp32_main_params: bool) -> tuple[torch.Tensor, ChainedOptimizer]:
+        weight = nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+        model = nn.ParameterDict({"scale": weight})
+        opt = get_hyper_optimizer(
+            model, muon=None, sinkhorn=None, adamw={"lr": 1e-4}, fp32_main_params=fp32_main_params
+        )
+        for _ in range(STEPS):
+            weight.grad = torch.ones_like(weight)  # Adam's step: lr each time
+            opt.step()
+        return weight, opt
+
+    half_ulp = torch.finfo(torch.bfloat16).eps / 2  # at 1.0
+    assert half_ulp / 10 > 1e-4
+    plain, _ = run(False)
+    assert torch.equal(plain, torch.ones_like(plain))  # every update rounded away
+    landed, opt = run(True)
+    main = _mains(opt)[id(landed)]
+    torch.testing.assert_close(main, torch.full_like(main, 1 - STEPS * 1e-4), rtol=0, atol=5e-6)
+    assert torch.equal(landed, main.to(torch.bfloat16))
+    assert (landed < 1).all()
+
+
+def test_resume_is_bitwise_through_hyper_parallel_checkpoint(tmp_path: Path) -> None:
+    def build() -> tuple[nn.Module, ChainedOptimizer, Any]:
+        model, opt = _build()
+        return model, opt, get_hyper_lr_scheduler(opt, "cosine", total_steps=STEPS, warmup_steps=5)
+
+    straight = build()
+    _train(straight[0], straight[1], STEPS, straight[2])
+    first = build()
+    _train(first[0], first[1], STEPS // 2, first[2])
+    manager = CheckpointManager(tmp_path)
+    manager.save(STEPS // 2, model=first[0], optimizer=first[1], scheduler=first[2])
+
+    resumed = build()
+    step = manager.load_latest(model=resumed[0], optimizer=resumed[1], scheduler=resumed[2])
+    assert step == STEPS // 2
+    for (_, a), (_, b) in zip(
+        first[1].main_params or (), resumed[1].main_params or (), strict=True
+    ):
+        assert torch.equal(a, b)  # the main copies themselves, not the bf16 params upcast
+    _train(resumed[0], resumed[1], STEPS - STEPS // 2, resumed[2])
+    for (name, p), q in zip(straight[0].named_parameters(), resumed[0].parameters(), strict=True):
+        assert torch.equal(p, q), name
+    ends = zip(straight[1].main_params or (), resumed[1].main_params or (), strict=True)
+    for (_, a), (_, b) in ends:
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_with_and_without_main_copies_do_not_mix(tmp_path: Path) -> None:
+    model, opt = _build()
+    _train(model, opt, 1)
+    checkpoint.save(tmp_path / "mains", model=model, optimizer=opt, step=1)
+    plain_model = _bf16_model()
+    plain = get_hyper_optimizer(plain_model, **FAMILIES)
+    with pytest.raises(CheckpointError, match=r"holds fp32 main params.*fp32_main_params=True"):
+        checkpoint.load(tmp_path / "mains", model=plain_model, optimizer=plain)
+    checkpoint.save(tmp_path / "plain", model=plain_model, optimizer=plain, step=0)
+    with pytest.raises(CheckpointError, match=r"holds none.*fp32_main_params=False"):
+        checkpoint.load(tmp_path / "plain", model=model, optimizer=opt)
+
+
+def test_state_dict_round_trip_and_copies_keep_their_own_main_copies() -> None:
+    model, opt = _build()
+    _train(model, opt, 3)
+    saved = copy.deepcopy(opt.state_dict())
+    assert len(saved["main_params"]) == len(opt.main_params or ())
+    _train(model, opt, 2)
+    opt.load_state_dict(saved)
+    for (_, main), value in zip(opt.main_params or (), saved["main_params"], strict=True):
+        assert torch.equal(main, value)
+    with pytest.raises(ValueError, match="main copies"):
+        opt.load_state_dict({**saved, "main_params": saved["main_params"][:-1]})
+
+    for twin in (copy.deepcopy((model, opt)), pickle.loads(pickle.dumps((model, opt)))):
+        twin_model, twin_opt = twin
+        before = [p.clone() for p in model.parameters()]
+        _train(twin_model, twin_opt, 1)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        for param, main in twin_opt.main_params or ():
+            assert torch.equal(param, main.to(torch.bfloat16))
+        assert twin_opt.param_names_by_optimizer == opt.param_names_by_optimizer
+
+
+def test_every_interface_takes_fp32_main_params() -> None:
+    model = _bf16_model()
+    matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
+    others = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    built = [
+        get_hyper_optimizer(
+            model, muon_params=matrices, adamw_params=others, fp32_main_params=True
+        ),
+        get_hyper_optimizer(
+            model,
+            optimizers={"muon": {"params": matrices}, "adamw": {"params": others}},
+            fp32_main_params=True,
+        ),
+        get_hyper_optimizer(model, partitioner="by_shape", fp32_main_params=True),
+        get_hyper_optimizer(model, **FAMILIES, fp32_main_params=True),
+    ]
+    names = [name for name, _ in model.named_parameters()]
+    for opt in built:
+        assert len(opt.main_params or ()) == len(names)
+        held = [p for sub in opt.optimizers.values() for g in sub.param_groups for p in g["params"]]
+        assert all(p.dtype == torch.float32 for p in held)
+        assert sorted(n for ns in opt.param_names_by_optimizer.values() for n in ns) == sorted(
+            names
+        )
+
+
+def test_gradient_checks_and_clipping_see_the_model_gradients() -> None:
+    model, opt = _build()
+    lm_loss(model, _batch()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    norms = clip_grad_norm_(opt, max_norm=1e9, per_optimizer=True)
+    for sub_name, param_names in opt.param_names_by_optimizer.items():
+        want = torch.linalg.vector_norm(torch.stack([grads[n].float().norm() for n in param_names]))
+        torch.testing.assert_close(norms[sub_name].float(), want, rtol=1e-2, atol=0)
+    assert grads_are_finite(opt)
+    model.norm.weight.grad[0] = float("nan")
+    assert not grads_are_finite(opt)
+
+
+def test_added_group_gets_main_copies_and_misuse_is_refused() -> None:
+    model = _bf16_model()
+    extra = nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
+    opt = get_hyper_optimizer(model, **FAMILIES, fp32_main_params=True)
+    opt.add_param_group({"params": [extra]}, optimizer="adamw")
+    main = _mains(opt)[id(extra)]
+    assert main.dtype == torch.float32 and opt.grad_params("adamw")[-1] is extra
+    extra.grad = torch.ones_like(extra)
+    opt.step()
+    assert torch.equal(extra, main.to(torch.bfloat16)) and not torch.equal(
+        extra, torch.zeros_like(extra)
+    )
+
+    weight = nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))
+    mains = MainParams([weight])
+    with pytest.raises(ValueError, match="has a main copy"):
+        ChainedOptimizer({"sgd": torch.optim.SGD([weight], lr=0.1)}, main_params=mains)
+    with pytest.raises(ValueError, match="in no sub-optimizer"):
+        ChainedOptimizer(
+            {"sgd": torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)}, main_params=mains
+        )
+    with pytest.raises(ValueError, match="rename that sub-optimizer"):
+        ChainedOptimizer(
+            {"main_params": torch.optim.SGD([mains.main_of(weight)], lr=0.1)}, main_params=mains
+        )
+
+
+# -- FSDP ------------------------------------------------------------------------
+
+
+def _fsdp_matches_one_process(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyper_parallel import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    one, one_opt = _build()
+    sharded = fully_shard(copy.deepcopy(one), mesh=mesh)
+    _, sharded_opt = _build(sharded)
+    _train(one, one_opt, STEPS)
+    _train(sharded, sharded_opt, STEPS)  # every rank the same batch: the mean is exact
+    one_mains = _mains(one_opt)
+    sharded_mains = _mains(sharded_opt)
+    for (name, p), q in zip(one.named_parameters(), sharded.parameters(), strict=True):
+        main = sharded_mains[id(q)]
+        assert main.placements == q.placements and main.dtype == torch.float32, name
+        torch.testing.assert_close(main.full_tensor(), one_mains[id(p)], rtol=0, atol=1e-6)
+        assert torch.equal(q.full_tensor(), main.full_tensor().to(torch.bfloat16)), name
+
+
+def test_fsdp_two_ranks_equal_one_process() -> None:
+    run_distributed(_fsdp_matches_one_process, world_size=2)
