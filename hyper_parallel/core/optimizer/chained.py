@@ -125,43 +125,8 @@ class ChainedOptimizer(Optimizer):
         param_names: Iterable[tuple[str, torch.Tensor]] | None = None,
         main_params: MainParams | None = None,
     ) -> None:
-        named = (
-            dict(optimizers)
-            if isinstance(optimizers, Mapping)
-            else {str(i): opt for i, opt in enumerate(optimizers)}
-        )
-        if not named:
-            raise HyperParallelValueError(
-                "ChainedOptimizer needs at least one optimizer; got none."
-            )
-        seen: dict[int, str] = {}
-        for name, opt in named.items():
-            if not isinstance(name, str) or not name:
-                raise HyperParallelTypeError(
-                    f"ChainedOptimizer names must be non-empty str, got {name!r}."
-                )
-            if not isinstance(opt, Optimizer):
-                raise HyperParallelTypeError(
-                    f"ChainedOptimizer entry {name!r} must be a torch.optim.Optimizer, "
-                    f"got {type(opt).__name__}."
-                )
-            if isinstance(opt, ChainedOptimizer):
-                raise HyperParallelTypeError(
-                    f"ChainedOptimizer entry {name!r} is itself chained; flatten it."
-                )
-            if _needs_closure(opt):
-                raise HyperParallelTypeError(
-                    f"ChainedOptimizer entry {name!r} ({type(opt).__name__}) re-evaluates a closure "
-                    "inside every step, which a chain cannot give each part; step it on its own."
-                )
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if id(p) in seen:
-                        raise HyperParallelValueError(
-                            f"A parameter of shape {tuple(p.shape)} is in both optimizer "
-                            f"{seen[id(p)]!r} and {name!r}; give each param to one optimizer."
-                        )
-                    seen[id(p)] = name
+        named = _checked_optimizers(optimizers)
+        seen = {id(p): name for name, opt in named.items() for p in _group_params(opt)}
         if main_params is not None:
             _check_main_params(main_params, named, seen)
         # Not Optimizer.__init__: it would build new param groups; ours are views.
@@ -210,8 +175,7 @@ class ChainedOptimizer(Optimizer):
     def _params(self, name: str | None = None) -> Iterator[torch.Tensor]:
         for opt_name, opt in self.optimizers.items():
             if name is None or name == opt_name:
-                for group in opt.param_groups:
-                    yield from group["params"]
+                yield from _group_params(opt)
 
     def _model_param(self, param: torch.Tensor) -> torch.Tensor:
         return param if self.main_params is None else self.main_params.param_of(param)
@@ -386,6 +350,52 @@ class ChainedOptimizer(Optimizer):
                     main.copy_(saved)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _group_params(opt: Optimizer) -> Iterator[torch.Tensor]:
+    for group in opt.param_groups:
+        yield from group["params"]
+
+
+def _checked_optimizers(
+    optimizers: Mapping[str, Optimizer] | Sequence[Optimizer],
+) -> dict[str, Optimizer]:
+    """The chain's optimizers by name: each flat, stepped without a closure, with its own params."""
+    named = (
+        dict(optimizers)
+        if isinstance(optimizers, Mapping)
+        else {str(i): opt for i, opt in enumerate(optimizers)}
+    )
+    if not named:
+        raise HyperParallelValueError("ChainedOptimizer needs at least one optimizer; got none.")
+    seen: dict[int, str] = {}
+    for name, opt in named.items():
+        if not isinstance(name, str) or not name:
+            raise HyperParallelTypeError(
+                f"ChainedOptimizer names must be non-empty str, got {name!r}."
+            )
+        if not isinstance(opt, Optimizer):
+            raise HyperParallelTypeError(
+                f"ChainedOptimizer entry {name!r} must be a torch.optim.Optimizer, "
+                f"got {type(opt).__name__}."
+            )
+        if isinstance(opt, ChainedOptimizer):
+            raise HyperParallelTypeError(
+                f"ChainedOptimizer entry {name!r} is itself chained; flatten it."
+            )
+        if _needs_closure(opt):
+            raise HyperParallelTypeError(
+                f"ChainedOptimizer entry {name!r} ({type(opt).__name__}) re-evaluates a closure "
+                "inside every step, which a chain cannot give each part; step it on its own."
+            )
+        for p in _group_params(opt):
+            if id(p) in seen:
+                raise HyperParallelValueError(
+                    f"A parameter of shape {tuple(p.shape)} is in both optimizer "
+                    f"{seen[id(p)]!r} and {name!r}; give each param to one optimizer."
+                )
+            seen[id(p)] = name
+    return named
 
 
 def _needs_closure(opt: Optimizer) -> bool:

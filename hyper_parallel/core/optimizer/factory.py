@@ -6,7 +6,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -39,17 +39,6 @@ FAMILY_PARTITIONER = "by_family"
 #: Keys of a family dict that route params (given to the partitioner); the rest are options.
 FAMILY_ROUTING_KEYS: frozenset[str] = frozenset(
     {"param_patterns", "param_groups", "head_wise", "head_dim", "head_wise_patterns"}
-)
-
-#: What family configuration replaces; giving one of these with a family keyword is an error.
-_NON_FAMILY_ARGUMENTS = (
-    "muon_params",
-    "adamw_params",
-    "muon_kwargs",
-    "adamw_kwargs",
-    "optimizers",
-    "partitioner",
-    "partitioner_kwargs",
 )
 
 _MAX_NAMES_SHOWN = 5
@@ -124,7 +113,7 @@ def _split_prefixed(prefixed: Mapping[str, Any], names: Iterable[str]) -> dict[s
                 break
         else:
             known = [
-                *_NON_FAMILY_ARGUMENTS,
+                *(f.name for f in fields(_Arguments)),
                 "sharding",
                 *by_length,
                 *(f"{n}_<option>" for n in by_length),
@@ -153,7 +142,7 @@ def get_hyper_optimizer(
 ) -> ChainedOptimizer:
     """Build the optimizers for ``model`` and chain them.
 
-    Three ways to say which params go where:
+    Four ways to say which params go where:
 
     * the guide's form: ``muon_params=[...]``, ``adamw_params=[...]`` with
       ``muon_kwargs`` / ``adamw_kwargs``;
@@ -181,6 +170,11 @@ def get_hyper_optimizer(
     optimizer that takes a ``sharding`` option (Muon). Left out, it is
     ``$HYPER_PARALLEL_SHARDING`` or detected from the params' placements.
 
+    ``fp32_main_params=True`` gives each low-precision (bf16, fp16) param an
+    fp32 main copy, which the optimizers step instead (their state is fp32
+    too); after each step the param is its main copy rounded. The copies are
+    sharded like their params, and checkpoints keep them.
+
     Rules: frozen params are skipped; a tied param counts once; an empty
     list means that optimizer is not created. A param with fewer than two
     dims given to a matrix-only optimizer (Muon) is optimized by AdamW instead,
@@ -202,18 +196,74 @@ def get_hyper_optimizer(
         raise HyperParallelTypeError(
             f"get_hyper_optimizer() needs model=<nn.Module>, got {type(model).__name__}."
         )
-    registry = get_registry()
-    specs: dict[str, _Spec] = {}
+    arguments = _Arguments(
+        muon_params, adamw_params, muon_kwargs, adamw_kwargs,
+        optimizers, partitioner, partitioner_kwargs,
+    )  # fmt: skip
     families = _pop_families(prefixed_kwargs)
     if families:
-        given = (muon_params, adamw_params, muon_kwargs, adamw_kwargs)
-        _reject_mixing(families, (*given, optimizers, partitioner, partitioner_kwargs))
-        optimizers, partitioner_kwargs = _family_options(families)
-        partitioner = FAMILY_PARTITIONER
+        arguments = arguments.for_families(families)
+    plan = _Plan(model)
+    plan.add_arguments(arguments, prefixed_kwargs)
+    plan.assign_params(arguments)
+    plan.settle()
+    plan.resolve_sharding(sharding)
+    mains = plan.main_copies() if fp32_main_params else None
+    return ChainedOptimizer(plan.build(), param_names=model.named_parameters(), main_params=mains)
 
-    def add(name: str, params: Any, kwargs: Mapping[str, Any] | None, where: str) -> None:
-        entry = registry.get(PluginKind.OPTIMIZER, name)
-        if entry.name in specs:
+
+@dataclass(frozen=True)
+class _Arguments:
+    """The arguments of get_hyper_optimizer() that say which params go where (in its order)."""
+
+    muon_params: Iterable[Any] | None = None
+    adamw_params: Iterable[Any] | None = None
+    muon_kwargs: Mapping[str, Any] | None = None
+    adamw_kwargs: Mapping[str, Any] | None = None
+    optimizers: Mapping[str, Mapping[str, Any]] | None = None
+    partitioner: str | None = None
+    partitioner_kwargs: Mapping[str, Any] | None = None
+
+    def given(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def for_families(self, families: Mapping[str, Mapping[str, Any] | None]) -> _Arguments:
+        """The arguments family configuration stands for; any argument given too is an error."""
+        if self.given():
+            raise HyperParallelTypeError(
+                f"get_hyper_optimizer() got family keywords "
+                f"({', '.join(f'{n}=' for n in families)}) and "
+                f"{', '.join(f'{n}=' for n in self.given())}; use one or the other. In family "
+                "configuration a family's dict holds its options, and its param_patterns / "
+                "param_groups say which params it gets."
+            )
+        options, partitioner_kwargs = _family_options(families)
+        return _Arguments(
+            optimizers=options,
+            partitioner=FAMILY_PARTITIONER,
+            partitioner_kwargs=partitioner_kwargs,
+        )
+
+
+class _Plan:
+    """The optimizers get_hyper_optimizer() builds, with each one's groups and options.
+
+    Filled from the arguments (or a partitioner), then settled: sharded
+    params followed, frozen and repeated params dropped, vectors moved off
+    matrix-only optimizers, and every option and param checked, before any
+    optimizer is built.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.specs: dict[str, _Spec] = {}
+        self.names: dict[int, str] = {}
+
+    # -- filling ------------------------------------------------------------------
+
+    def add(self, name: str, params: Any, kwargs: Mapping[str, Any] | None, where: str) -> _Spec:
+        entry = get_registry().get(PluginKind.OPTIMIZER, name)
+        if entry.name in self.specs:
             raise HyperParallelValueError(
                 f"Optimizer {entry.name!r} is configured twice ({where} and an earlier argument); "
                 "configure each optimizer once."
@@ -222,63 +272,243 @@ def get_hyper_optimizer(
         if params is not None:
             spec.groups = _as_groups(params, where)
             spec.params_given = True
-        specs[entry.name] = spec
+        self.specs[entry.name] = spec
+        return spec
 
-    if muon_params is not None or muon_kwargs is not None:
-        add("muon", muon_params, muon_kwargs, "muon_params")
-    if adamw_params is not None or adamw_kwargs is not None:
-        add("adamw", adamw_params, adamw_kwargs, "adamw_params")
-    for name, config in (optimizers or {}).items():
-        if not isinstance(config, Mapping):
-            raise HyperParallelTypeError(
-                f"optimizers[{name!r}] must be a dict of options, got {type(config).__name__}."
+    def add_arguments(self, arguments: _Arguments, prefixed: Mapping[str, Any]) -> None:
+        """The guide's muon/adamw arguments, ``optimizers=``, then ``<name>_<option>`` keywords."""
+        for name in ("muon", "adamw"):
+            params, kwargs = (
+                getattr(arguments, f"{name}_params"),
+                getattr(arguments, f"{name}_kwargs"),
             )
-        config = dict(config)
-        add(name, config.pop("params", None), config, f"optimizers[{name!r}]")
-
-    for name, extra in _split_prefixed(prefixed_kwargs, [*specs, "muon", "adamw"]).items():
-        if name not in specs:
-            add(name, None, None, f"{name}_* keyword arguments")
-        for key, value in extra.items():
-            if key in specs[name].kwargs:
-                raise HyperParallelValueError(
-                    f"Option {key!r} of optimizer {name!r} is given twice ({name}_{key} and a dict)."
+            if params is not None or kwargs is not None:
+                self.add(name, params, kwargs, f"{name}_params")
+        for name, config in (arguments.optimizers or {}).items():
+            if not isinstance(config, Mapping):
+                raise HyperParallelTypeError(
+                    f"optimizers[{name!r}] must be a dict of options, got {type(config).__name__}."
                 )
-            specs[name].kwargs[key] = value
+            config = dict(config)
+            self.add(name, config.pop("params", None), config, f"optimizers[{name!r}]")
+        for name, extra in _split_prefixed(prefixed, [*self.specs, "muon", "adamw"]).items():
+            spec = self.specs.get(name) or self.add(name, None, None, f"{name}_* keyword arguments")
+            for key, value in extra.items():
+                if key in spec.kwargs:
+                    raise HyperParallelValueError(
+                        f"Option {key!r} of optimizer {name!r} is given twice ({name}_{key} and a dict)."
+                    )
+                spec.kwargs[key] = value
 
-    any_given = any(s.params_given for s in specs.values())
-    if partitioner is not None and any_given:
-        raise HyperParallelValueError(
-            "get_hyper_optimizer() got both explicit params and partitioner="
-            f"{partitioner!r}; use one of them."
+    def assign_params(self, arguments: _Arguments) -> None:
+        """Explicit params, or else the partitioner's (``by_shape`` unless one is named)."""
+        any_given = any(s.params_given for s in self.specs.values())
+        if arguments.partitioner is not None and any_given:
+            raise HyperParallelValueError(
+                "get_hyper_optimizer() got both explicit params and partitioner="
+                f"{arguments.partitioner!r}; use one of them."
+            )
+        if arguments.partitioner_kwargs is not None and arguments.partitioner is None and any_given:
+            raise HyperParallelValueError(
+                "partitioner_kwargs was given without partitioner=...; name the partitioner."
+            )
+        if not any_given:
+            self.partition(arguments.partitioner or "by_shape", arguments.partitioner_kwargs or {})
+
+    def partition(self, name: str, options: Mapping[str, Any]) -> None:
+        entry = get_registry().get(PluginKind.PARTITIONER, name)
+        where = f"partitioner {entry.name!r}"
+        check_keywords(options, accepted_keywords(entry.obj, skip=1), where=where)
+        assignment = entry.obj(self.model, **options)
+        if not isinstance(assignment, Mapping):
+            raise HyperParallelTypeError(
+                f"Partitioner {entry.name!r} returned {type(assignment).__name__}, not a dict."
+            )
+        for opt_name, params in assignment.items():
+            output = f"{where} output for {opt_name!r}"
+            key = get_registry().get(PluginKind.OPTIMIZER, opt_name).name
+            spec = self.specs.get(key) or self.add(key, [], None, output)
+            spec.groups = _as_groups(params, output)
+            spec.params_given = True
+        unassigned = [n for n, s in self.specs.items() if not s.params_given]
+        if unassigned:
+            raise HyperParallelValueError(
+                f"Partitioner {entry.name!r} assigns params to {', '.join(map(repr, assignment))}, "
+                f"but options were given for {', '.join(map(repr, unassigned))}; "
+                "configure only the optimizers it fills (by_shape, by_name, by_module: see their "
+                "matrix_optimizer/fallback_optimizer options; family configuration: a family set "
+                "to None gets no params)."
+            )
+
+    # -- settling -----------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Make the groups final and check them; nothing is built yet."""
+        self.names = _first_names(self.model)
+        self._follow_sharding()
+        self._drop_frozen_and_repeated()
+        self._move_vectors_off_matrix_optimizers()
+        self._check_options()
+        self._check_coverage()
+
+    def _label(self, p: torch.Tensor) -> str:
+        return self.names.get(id(p), f"<param of shape {tuple(p.shape)}>")
+
+    def _follow_sharding(self) -> None:
+        """Swap params listed before ``fully_shard`` for the sharded params that replaced them."""
+        # Looked up, not imported: a process that never imported fully_shard has sharded
+        # nothing with it, and importing it would load FSDP for every user.
+        fsdp = sys.modules.get("hyper_parallel.core.distributed.fsdp")
+        replaced = getattr(self.model, fsdp.PRESHARDING_PARAMS_ATTR, None) if fsdp else None
+        if not replaced:
+            return
+        current = dict(self.model.named_parameters(remove_duplicate=False))
+
+        def now(p: torch.Tensor) -> torch.Tensor:
+            ref_and_name = replaced.get(id(p))
+            if ref_and_name is None or ref_and_name[0]() is not p:
+                return p
+            sharded: torch.Tensor = current.get(ref_and_name[1], p)
+            return sharded
+
+        for spec in self.specs.values():
+            for group in spec.groups:
+                group["params"] = [now(p) for p in group["params"]]
+
+    def _drop_frozen_and_repeated(self) -> None:
+        owner: dict[int, str] = {}
+        for spec in self.specs.values():
+            for group in spec.groups:
+                kept: list[torch.Tensor] = []
+                for p in group["params"]:
+                    if id(p) not in self.names:
+                        raise HyperParallelValueError(
+                            f"A param of shape {tuple(p.shape)} given to optimizer {spec.name!r} is "
+                            "not a parameter of model; pass params from the model you train."
+                        )
+                    previous = owner.get(id(p))
+                    if not p.requires_grad or previous == spec.name:
+                        continue  # frozen, or a tied param listed twice: counted once
+                    if previous is not None:
+                        raise HyperParallelValueError(
+                            f"Param {self._label(p)!r} is in the groups of both {previous!r} and "
+                            f"{spec.name!r}; give each param to exactly one optimizer."
+                        )
+                    owner[id(p)] = spec.name
+                    kept.append(p)
+                group["params"] = kept
+
+    def _move_vectors_off_matrix_optimizers(self) -> None:
+        moved: list[tuple[str, torch.Tensor]] = []
+        for spec in list(self.specs.values()):
+            if getattr(spec.entry.obj, "matrix_only", False):
+                for group in spec.groups:
+                    moved.extend((spec.name, p) for p in group["params"] if p.ndim < 2)
+                    group["params"] = [p for p in group["params"] if p.ndim >= 2]
+        if not moved:
+            return
+        fallback = self.specs.get(FALLBACK_OPTIMIZER) or self.add(
+            FALLBACK_OPTIMIZER, [], None, "params moved off a matrix-only optimizer"
         )
-    if partitioner_kwargs is not None and partitioner is None and any_given:
-        raise HyperParallelValueError(
-            "partitioner_kwargs was given without partitioner=...; name the partitioner."
+        fallback.groups.append({"params": [p for _, p in moved]})
+        warnings.warn(
+            f"{len(moved)} param(s) with fewer than 2 dims were listed for "
+            f"{', '.join(sorted({name for name, _ in moved}))}, which only updates matrices; "
+            f"optimizing them with {FALLBACK_OPTIMIZER!r} instead: "
+            f"{_shown([self._label(p) for _, p in moved])}.",
+            UserWarning,
+            stacklevel=4,
         )
-    if not any_given:
-        _apply_partitioner(model, partitioner or "by_shape", partitioner_kwargs or {}, specs, add)
 
-    named = _named_params(model)
-    _follow_sharding(model, specs)
-    _drop_frozen_and_duplicates(specs, named)
-    _move_vectors_off_matrix_optimizers(specs, named, add)
+    def _check_options(self) -> None:
+        """Every option and group key of every optimizer is one it accepts."""
+        for spec in self.specs.values():
+            accepted = accepted_keywords(spec.entry.obj, skip=1)
+            where = f"optimizer {spec.name!r}"
+            check_keywords(spec.kwargs, accepted, where=where)
+            if accepted is not None:
+                for group in spec.groups:
+                    check_group_keys(group, accepted, where=where)
+            if "params" in spec.kwargs:
+                raise HyperParallelTypeError(
+                    f"Give the params of optimizer {spec.name!r} via its params list, not as a "
+                    "keyword."
+                )
 
-    _check_options(specs)
-    _check_coverage(model, specs, named)
-    origin = "sharding" if sharding else SHARDING_ENV
-    _resolve_sharding(sharding or os.environ.get(SHARDING_ENV) or None, origin, specs, named)
-    mains = _main_copies(specs) if fp32_main_params else None
-    return ChainedOptimizer(_build(specs), param_names=model.named_parameters(), main_params=mains)
+    def _check_coverage(self) -> None:
+        assigned = {id(p) for s in self.specs.values() for g in s.groups for p in g["params"]}
+        missing = [
+            name
+            for name, p in self.model.named_parameters()
+            if p.requires_grad and id(p) not in assigned
+        ]
+        if missing:
+            raise HyperParallelValueError(
+                f"{len(missing)} trainable param(s) are in no optimizer group and would never "
+                f"train: {_shown(missing)}. Add them to muon_params/adamw_params, freeze them "
+                "(requires_grad=False), or use a partitioner (partitioner='by_shape')."
+            )
+
+    # -- building -----------------------------------------------------------------
+
+    def resolve_sharding(self, sharding: str | None) -> None:
+        """Resolve the sharding backend of the optimizers that take one, before any is built.
+
+        A named backend (``sharding=``, else ``$HYPER_PARALLEL_SHARDING``) that
+        does not match, or a layout no backend handles, fails here with the
+        params' names; a named backend is passed on to each of them.
+        """
+        name = sharding or os.environ.get(SHARDING_ENV) or None
+        takers = [
+            spec
+            for spec in self.specs.values()
+            if "sharding" in (accepted_keywords(spec.entry.obj, skip=1) or ())
+        ]
+        params = [p for spec in takers for g in spec.groups for p in g["params"]]
+        if not params:
+            return
+        origin = "sharding" if sharding else SHARDING_ENV
+        backend = resolve_backend(name, params, param_names=self.names, origin=origin)
+        if name is not None:
+            for spec in takers:
+                spec.kwargs.setdefault("sharding", backend.name)
+
+    def main_copies(self) -> MainParams:
+        """Give each low-precision param an fp32 main copy, which its optimizer gets instead."""
+        mains = MainParams()
+        for spec in self.specs.values():
+            for group in spec.groups:
+                group["params"] = [mains.add(p) for p in group["params"]]
+        return mains
+
+    def build(self) -> dict[str, Optimizer]:
+        """Build each optimizer that has params; an empty one is not created."""
+        built: dict[str, Optimizer] = {}
+        for spec in self.specs.values():
+            groups = [g for g in spec.groups if g["params"]]
+            if not groups:
+                continue
+            optimizer = spec.entry.obj(groups, **spec.kwargs)
+            if not isinstance(optimizer, Optimizer):
+                raise HyperParallelTypeError(
+                    f"Optimizer {spec.name!r} from {spec.entry.source} returned "
+                    f"{type(optimizer).__name__}, not a torch.optim.Optimizer."
+                )
+            built[spec.name] = optimizer
+        if not built:
+            raise HyperParallelValueError(
+                "get_hyper_optimizer() got no params to optimize: every group is empty "
+                "(or every param is frozen)."
+            )
+        return built
 
 
-def _main_copies(specs: Mapping[str, _Spec]) -> MainParams:
-    """Give each low-precision param an fp32 main copy, which its optimizer gets instead."""
-    mains = MainParams()
-    for spec in specs.values():
-        for group in spec.groups:
-            group["params"] = [mains.add(p) for p in group["params"]]
-    return mains
+def _first_names(model: nn.Module) -> dict[int, str]:
+    """id(param) -> its first name in ``model`` (tied params share one entry)."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
 
 
 def _pop_families(kwargs: dict[str, Any]) -> dict[str, Mapping[str, Any] | None]:
@@ -304,17 +534,6 @@ def _pop_families(kwargs: dict[str, Any]) -> dict[str, Mapping[str, Any] | None]
     return families
 
 
-def _reject_mixing(families: Mapping[str, Any], values: Iterable[Any]) -> None:
-    given = [n for n, v in zip(_NON_FAMILY_ARGUMENTS, values, strict=True) if v is not None]
-    if given:
-        raise HyperParallelTypeError(
-            f"get_hyper_optimizer() got family keywords ({', '.join(f'{n}=' for n in families)}) "
-            f"and {', '.join(f'{n}=' for n in given)}; use one or the other. In family "
-            "configuration a family's dict holds its options, and its param_patterns / "
-            "param_groups say which params it gets."
-        )
-
-
 def _family_options(
     families: Mapping[str, Mapping[str, Any] | None],
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
@@ -333,200 +552,3 @@ def _family_options(
             routing[name] = {k: v for k, v in config.items() if k in FAMILY_ROUTING_KEYS}
             options[name] = {k: v for k, v in config.items() if k not in FAMILY_ROUTING_KEYS}
     return options, {"families": routing}
-
-
-def _check_options(specs: Mapping[str, _Spec]) -> None:
-    """Every option and group key of every optimizer is one it accepts."""
-    for spec in specs.values():
-        accepted = accepted_keywords(spec.entry.obj, skip=1)
-        where = f"optimizer {spec.name!r}"
-        check_keywords(spec.kwargs, accepted, where=where)
-        if accepted is not None:
-            for group in spec.groups:
-                check_group_keys(group, accepted, where=where)
-        if "params" in spec.kwargs:
-            raise HyperParallelTypeError(
-                f"Give the params of optimizer {spec.name!r} via its params list, not as a keyword."
-            )
-
-
-def _build(specs: Mapping[str, _Spec]) -> dict[str, Optimizer]:
-    """Build each optimizer that has params; an empty one is not created."""
-    built: dict[str, Optimizer] = {}
-    for spec in specs.values():
-        groups = [g for g in spec.groups if g["params"]]
-        if not groups:
-            continue
-        optimizer = spec.entry.obj(groups, **spec.kwargs)
-        if not isinstance(optimizer, Optimizer):
-            raise HyperParallelTypeError(
-                f"Optimizer {spec.name!r} from {spec.entry.source} returned "
-                f"{type(optimizer).__name__}, not a torch.optim.Optimizer."
-            )
-        built[spec.name] = optimizer
-    if not built:
-        raise HyperParallelValueError(
-            "get_hyper_optimizer() got no params to optimize: every group is empty "
-            "(or every param is frozen)."
-        )
-    return built
-
-
-def _resolve_sharding(
-    name: str | None, origin: str, specs: Mapping[str, _Spec], named: Mapping[int, str]
-) -> None:
-    """Resolve the sharding backend of the optimizers that take one, before any is built.
-
-    A named backend that does not match, or a layout no backend handles, fails
-    here with the params' names; a named backend is passed on to each of them.
-    """
-    takers = [
-        spec
-        for spec in specs.values()
-        if "sharding" in (accepted_keywords(spec.entry.obj, skip=1) or ())
-    ]
-    params = [p for spec in takers for g in spec.groups for p in g["params"]]
-    if not params:
-        return
-    backend = resolve_backend(name, params, param_names=named, origin=origin)
-    if name is not None:
-        for spec in takers:
-            spec.kwargs.setdefault("sharding", backend.name)
-
-
-def _apply_partitioner(
-    model: nn.Module,
-    name: str,
-    options: Mapping[str, Any],
-    specs: dict[str, _Spec],
-    add: Any,
-) -> None:
-    entry = get_registry().get(PluginKind.PARTITIONER, name)
-    check_keywords(
-        options, accepted_keywords(entry.obj, skip=1), where=f"partitioner {entry.name!r}"
-    )
-    assignment = entry.obj(model, **options)
-    if not isinstance(assignment, Mapping):
-        raise HyperParallelTypeError(
-            f"Partitioner {entry.name!r} returned {type(assignment).__name__}, not a dict."
-        )
-    for opt_name, params in assignment.items():
-        where = f"partitioner {entry.name!r} output for {opt_name!r}"
-        key = get_registry().get(PluginKind.OPTIMIZER, opt_name).name
-        if key not in specs:
-            add(key, params, None, where)
-        else:
-            specs[key].groups = _as_groups(params, where)
-        specs[key].params_given = True
-    unassigned = [n for n, s in specs.items() if not s.params_given]
-    if unassigned:
-        raise HyperParallelValueError(
-            f"Partitioner {entry.name!r} assigns params to {', '.join(map(repr, assignment))}, "
-            f"but options were given for {', '.join(map(repr, unassigned))}; "
-            "configure only the optimizers it fills (by_shape, by_name, by_module: see their "
-            "matrix_optimizer/fallback_optimizer options; family configuration: a family set to "
-            "None gets no params)."
-        )
-
-
-def _named_params(model: nn.Module) -> dict[int, str]:
-    """id(param) -> its first name in ``model`` (tied params share one entry)."""
-    names: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    return names
-
-
-def _follow_sharding(model: nn.Module, specs: Mapping[str, _Spec]) -> None:
-    """Swap params listed before ``fully_shard`` for the sharded params that replaced them."""
-    # Looked up, not imported: a process that never imported fully_shard has sharded
-    # nothing with it, and importing it would load FSDP for every user.
-    fsdp = sys.modules.get("hyper_parallel.core.distributed.fsdp")
-    replaced = getattr(model, fsdp.PRESHARDING_PARAMS_ATTR, None) if fsdp else None
-    if not replaced:
-        return
-    current = dict(model.named_parameters(remove_duplicate=False))
-    for spec in specs.values():
-        for group in spec.groups:
-            swapped = []
-            for p in group["params"]:
-                ref_and_name = replaced.get(id(p))
-                if (
-                    ref_and_name is not None
-                    and ref_and_name[0]() is p
-                    and ref_and_name[1] in current
-                ):
-                    p = current[ref_and_name[1]]
-                swapped.append(p)
-            group["params"] = swapped
-
-
-def _label(p: torch.Tensor, named: Mapping[int, str]) -> str:
-    return named.get(id(p), f"<param of shape {tuple(p.shape)}>")
-
-
-def _drop_frozen_and_duplicates(specs: dict[str, _Spec], named: Mapping[int, str]) -> None:
-    owner: dict[int, str] = {}
-    for spec in specs.values():
-        for group in spec.groups:
-            kept: list[torch.Tensor] = []
-            for p in group["params"]:
-                if id(p) not in named:
-                    raise HyperParallelValueError(
-                        f"A param of shape {tuple(p.shape)} given to optimizer {spec.name!r} is not a "
-                        "parameter of model; pass params from the model you train."
-                    )
-                if not p.requires_grad:
-                    continue
-                previous = owner.get(id(p))
-                if previous == spec.name:
-                    continue  # a tied param listed twice: counted once
-                if previous is not None:
-                    raise HyperParallelValueError(
-                        f"Param {_label(p, named)!r} is in the groups of both {previous!r} and "
-                        f"{spec.name!r}; give each param to exactly one optimizer."
-                    )
-                owner[id(p)] = spec.name
-                kept.append(p)
-            group["params"] = kept
-
-
-def _move_vectors_off_matrix_optimizers(
-    specs: dict[str, _Spec], named: Mapping[int, str], add: Any
-) -> None:
-    moved: list[tuple[str, torch.Tensor]] = []
-    for spec in list(specs.values()):
-        if not getattr(spec.entry.obj, "matrix_only", False):
-            continue
-        for group in spec.groups:
-            vectors = [p for p in group["params"] if p.ndim < 2]
-            if vectors:
-                group["params"] = [p for p in group["params"] if p.ndim >= 2]
-                moved.extend((spec.name, p) for p in vectors)
-    if not moved:
-        return
-    if FALLBACK_OPTIMIZER not in specs:
-        add(FALLBACK_OPTIMIZER, [], None, "params moved off a matrix-only optimizer")
-    fallback = specs[FALLBACK_OPTIMIZER]
-    fallback.groups.append({"params": [p for _, p in moved]})
-    sources = sorted({name for name, _ in moved})
-    warnings.warn(
-        f"{len(moved)} param(s) with fewer than 2 dims were listed for {', '.join(sources)}, which only "
-        f"updates matrices; optimizing them with {FALLBACK_OPTIMIZER!r} instead: "
-        f"{_shown([_label(p, named) for _, p in moved])}.",
-        UserWarning,
-        stacklevel=3,
-    )
-
-
-def _check_coverage(model: nn.Module, specs: Mapping[str, _Spec], named: Mapping[int, str]) -> None:
-    assigned = {id(p) for s in specs.values() for g in s.groups for p in g["params"]}
-    missing = [
-        name for name, p in model.named_parameters() if p.requires_grad and id(p) not in assigned
-    ]
-    if missing:
-        raise HyperParallelValueError(
-            f"{len(missing)} trainable param(s) are in no optimizer group and would never train: "
-            f"{_shown(missing)}. Add them to muon_params/adamw_params, freeze them "
-            "(requires_grad=False), or use a partitioner (partitioner='by_shape')."
-        )
