@@ -23,6 +23,7 @@ from hyper_parallel.core.errors import (
 from hyper_parallel.core.optimizer import (
     ChainedOptimizer,
     HyperLRScheduler,
+    MainParams,
     MatrixOptimizer,
     get_hyper_lr_scheduler,
     get_hyper_optimizer,
@@ -58,6 +59,7 @@ __all__ = [
     "DuplicatePluginError",
     "HyperLRScheduler",
     "HyperParallelError",
+    "MainParams",
     "MatrixOptimizer",
     "Muon",
     "PluginError",

@@ -18,8 +18,8 @@ import torch
 
 from hyper_parallel import *  # noqa: F403
 from hyper_parallel import (
-    AdamW, ChainedOptimizer, Muon, Sinkhorn, get_hyper_lr_scheduler, get_hyper_optimizer,
-    step_if_finite,
+    AdamW, ChainedOptimizer, MainParams, Muon, Sinkhorn, get_hyper_lr_scheduler,
+    get_hyper_optimizer, step_if_finite,
 )
 
 model = torch.nn.Linear(8, 8)
@@ -30,6 +30,7 @@ chained = ChainedOptimizer({"muon": muon, "adamw": adamw})
 optimizer: ChainedOptimizer = get_hyper_optimizer(model, partitioner="by_shape")
 scheduler = get_hyper_lr_scheduler(optimizer, "cosine", total_steps=10, warmup_steps=1)
 stepped: bool = step_if_finite(chained)
+mains: MainParams | None = get_hyper_optimizer(model, fp32_main_params=True).main_params
 """
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.core.optimizer.chained import ChainedOptimizer
 from hyper_parallel.core.optimizer.factory import get_hyper_optimizer
+from hyper_parallel.core.optimizer.main_params import MainParams
 from hyper_parallel.core.optimizer.matrix import MatrixOptimizer
 from hyper_parallel.core.optimizer.nonfinite import grads_are_finite, step_if_finite
 from hyper_parallel.core.optimizer.scheduler import HyperLRScheduler, get_hyper_lr_scheduler
@@ -19,6 +20,7 @@ __all__ = [
     "AdamW",
     "ChainedOptimizer",
     "HyperLRScheduler",
+    "MainParams",
     "MatrixOptimizer",
     "Muon",
     "Sinkhorn",
