@@ -6,11 +6,13 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from hyper_parallel import __version__
 from hyper_parallel.core.plugin import PluginKind, get_registry
+
+if TYPE_CHECKING:
+    from hyper_parallel.train.config import ConfigField
 
 __all__ = ["main"]
 
@@ -88,128 +90,40 @@ def _positive_int(text: str) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from hyper_parallel.train import TrainConfig, train
+    from hyper_parallel.train.config import config_fields
 
-    fields = (
-        "optimizer", "compare", "partitioner", "scheduler", "steps", "warmup_steps", "lr", "muon_lr",
-        "weight_decay", "batch_size", "seq_len", "dim", "layers", "heads", "tied_embeddings",
-        "eval_every", "seed", "data", "tokenizer", "out", "sharding",
-        "checkpoint_dir", "checkpoint_every", "resume",
-    )  # fmt: skip
-    config = TrainConfig(**{k: getattr(args, k) for k in fields}, progress=not args.no_progress)
-    summary = train(config)
+    given = {f.name: getattr(args, f.name) for f in config_fields() if f.option.on_command_line}
+    summary = train(TrainConfig(**given))
     interrupted = any(run["interrupted"] for run in summary["runs"].values())
     return 130 if interrupted else 0
 
 
 def _add_train_parser(sub: Any) -> None:
-    from hyper_parallel.train import MUON_ADAMW, TrainConfig
+    """``train``: one flag per :class:`~hyper_parallel.train.TrainConfig` field."""
+    from hyper_parallel.train.config import config_fields
 
-    d = TrainConfig()
-    p = sub.add_parser(
+    parser = sub.add_parser(
         "train",
         help="train a small GPT with Muon + AdamW (or any registered optimizer) and plot the loss",
         description="Train a small GPT-style decoder on a built-in synthetic language (generated "
         "at run time) or on --data, and write metrics.jsonl, loss_curves.png and summary.json.",
     )
-    p.add_argument(
-        "--optimizer",
-        default=d.optimizer,
-        help=f"'{MUON_ADAMW}' (default), or any registered optimizer name",
-    )
-    p.add_argument(
-        "--compare",
-        metavar="NAME",
-        help="also train with this optimizer and plot both (e.g. adamw)",
-    )
-    p.add_argument(
-        "--partitioner",
-        default=d.partitioner,
-        help=f"how {MUON_ADAMW} splits params (default: %(default)s)",
-    )
-    p.add_argument(
-        "--scheduler", default=d.scheduler, help="LR schedule name (default: %(default)s)"
-    )
-    p.add_argument(
-        "--steps",
-        type=_positive_int,
-        default=d.steps,
-        help="optimizer steps (default: %(default)s)",
-    )
-    p.add_argument(
-        "--warmup-steps", type=int, default=None, help="warmup steps (default: 5%% of --steps)"
-    )
-    p.add_argument(
-        "--lr",
-        type=float,
-        default=d.lr,
-        help="AdamW's peak lr, or the single optimizer's (default: %(default)s)",
-    )
-    p.add_argument(
-        "--muon-lr", type=float, default=d.muon_lr, help="Muon's peak lr (default: %(default)s)"
-    )
-    p.add_argument(
-        "--weight-decay", type=float, default=d.weight_decay, help="(default: %(default)s)"
-    )
-    p.add_argument(
-        "--batch-size", type=_positive_int, default=d.batch_size, help="(default: %(default)s)"
-    )
-    p.add_argument(
-        "--seq-len", type=_positive_int, default=d.seq_len, help="(default: %(default)s)"
-    )
-    p.add_argument(
-        "--dim", type=_positive_int, default=d.dim, help="model width (default: %(default)s)"
-    )
-    p.add_argument(
-        "--layers",
-        type=_positive_int,
-        default=d.layers,
-        help="decoder blocks (default: %(default)s)",
-    )
-    p.add_argument(
-        "--heads",
-        type=_positive_int,
-        default=d.heads,
-        help="attention heads (default: %(default)s)",
-    )
-    p.add_argument(
-        "--tied-embeddings", action="store_true", help="share the embedding and lm_head weights"
-    )
-    p.add_argument(
-        "--eval-every",
-        type=_positive_int,
-        default=d.eval_every,
-        help="validation interval in steps (default: %(default)s)",
-    )
-    p.add_argument("--seed", type=int, default=d.seed, help="(default: %(default)s)")
-    p.add_argument(
-        "--data", type=Path, help="train on this UTF-8 text file instead of the built-in data"
-    )
-    p.add_argument(
-        "--tokenizer",
-        choices=("char", "byte"),
-        default=d.tokenizer,
-        help="for --data (default: %(default)s)",
-    )
-    p.add_argument(
-        "--out", type=Path, default=d.out, help="output directory (default: %(default)s)"
-    )
-    p.add_argument(
-        "--sharding",
-        help="shard the model with this backend (fsdp, hsdp); run under torchrun, e.g. "
-        "torchrun --nproc_per_node 2 -m hyper_parallel train --sharding fsdp",
-    )
-    p.add_argument("--checkpoint-dir", type=Path, help="save checkpoints here (one folder per run)")
-    p.add_argument(
-        "--checkpoint-every", type=int, default=0, metavar="N",
-        help="also save every N steps (default: only at the end)",
-    )  # fmt: skip
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest checkpoint in --checkpoint-dir",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(handler=_cmd_train)
+    for f in config_fields():
+        if f.option.on_command_line:
+            parser.add_argument(f.flag, dest=f.name, help=f.option.help, **_parsing(f))
+    parser.set_defaults(handler=_cmd_train)
+
+
+def _parsing(f: ConfigField) -> dict[str, Any]:
+    """How argparse reads ``f``: a switch for a bool, else a value of the field's type."""
+    if f.type is bool:
+        return {"action": "store_false" if f.default else "store_true"}
+    return {
+        "type": _positive_int if f.option.positive else f.type,
+        "default": f.default,
+        "metavar": f.option.metavar,
+        "choices": f.option.choices,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:

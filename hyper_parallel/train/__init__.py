@@ -1,14 +1,8 @@
 """``hyper-parallel train``: a small GPT on built-in synthetic data, Muon + AdamW against peers."""
 
+from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import DataError, TokenizedText, load_text_file, synthetic_corpus
-from hyper_parallel.train.loop import (
-    MUON_ADAMW,
-    RunResult,
-    TrainConfig,
-    TrainError,
-    steps_to_reach,
-    train,
-)
+from hyper_parallel.train.loop import RunResult, steps_to_reach, train
 from hyper_parallel.train.model import GPTConfig, TinyGPT
 
 __all__ = [

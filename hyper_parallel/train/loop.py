@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -13,7 +12,6 @@ from typing import Any, TextIO
 
 import torch
 
-from hyper_parallel.core.errors import HyperParallelError, HyperParallelValueError
 from hyper_parallel.core.optimizer import (
     ChainedOptimizer,
     get_hyper_lr_scheduler,
@@ -21,6 +19,7 @@ from hyper_parallel.core.optimizer import (
     step_if_finite,
 )
 from hyper_parallel.core.plugin import PluginKind, get_registry
+from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import TokenizedText, batches, load_text_file, synthetic_corpus
 from hyper_parallel.train.model import GPTConfig, TinyGPT
 
@@ -28,105 +27,6 @@ __all__ = ["MUON_ADAMW", "RunResult", "TrainConfig", "TrainError", "steps_to_rea
 
 #: A run stops when this many steps in a row have non-finite gradients.
 _MAX_SKIPS_IN_A_ROW = 10
-
-#: The default optimizer: Muon for hidden matrices, AdamW for the rest.
-MUON_ADAMW = "muon+adamw"
-
-
-class TrainError(HyperParallelValueError):
-    """A training option or input that cannot be used; the message says which and why."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Everything one ``hyper-parallel train`` invocation needs."""
-
-    optimizer: str = MUON_ADAMW
-    compare: str | None = None
-    partitioner: str = "by_shape"
-    scheduler: str = "cosine"
-    steps: int = 400
-    warmup_steps: int | None = None  # None: 5% of steps
-    lr: float = 3e-3
-    muon_lr: float = 0.02
-    weight_decay: float = 0.0
-    batch_size: int = 32
-    seq_len: int = 128
-    dim: int = 128
-    layers: int = 4
-    heads: int = 4
-    tied_embeddings: bool = False
-    eval_every: int = 25
-    eval_batches: int = 8
-    log_every: int = 5
-    seed: int = 0
-    data: Path | None = None
-    tokenizer: str = "char"
-    out: Path = Path("runs/train")
-    progress: bool = True
-    sharding: str | None = None  # a sharding backend (fsdp, hsdp); run under torchrun
-    checkpoint_dir: Path | None = None  # one sub-directory per run (optimizer name)
-    checkpoint_every: int = 0  # 0: only at the end
-    resume: bool = False  # continue from the newest checkpoint in checkpoint_dir
-
-    def validate(self) -> None:
-        """Raise :class:`TrainError` for the first unusable option."""
-        positive = (
-            "steps",
-            "batch_size",
-            "seq_len",
-            "dim",
-            "layers",
-            "heads",
-            "eval_every",
-            "eval_batches",
-            "log_every",
-        )
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise TrainError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
-            raise TrainError(
-                f"--warmup-steps must be between 0 and --steps ({self.steps}), got {self.warmup_steps}"
-            )
-        for name in ("lr", "muon_lr"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise TrainError(
-                    f"--{name.replace('_', '-')} must be a positive number, got {value}"
-                )
-        if self.checkpoint_every < 0:
-            raise TrainError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        if (self.resume or self.checkpoint_every) and self.checkpoint_dir is None:
-            raise TrainError("--resume and --checkpoint-every need --checkpoint-dir DIR")
-        if self.weight_decay < 0:
-            raise TrainError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if self.dim % self.heads:
-            raise TrainError(f"--dim ({self.dim}) must be divisible by --heads ({self.heads})")
-        if self.tokenizer not in ("char", "byte"):
-            raise TrainError(f"--tokenizer must be 'char' or 'byte', got {self.tokenizer!r}")
-        registry = get_registry()
-        if self.sharding is not None:
-            try:
-                registry.get(PluginKind.SHARDING_BACKEND, self.sharding)
-            except HyperParallelError as exc:
-                raise TrainError(f"--sharding: {exc}") from None
-        for flag, choice in (("--optimizer", self.optimizer), ("--compare", self.compare)):
-            if choice is not None and choice != MUON_ADAMW:
-                try:
-                    registry.get(PluginKind.OPTIMIZER, choice)
-                except HyperParallelError as exc:
-                    raise TrainError(f"{flag}: {exc}") from None
-        for flag, kind, name in (
-            ("--partitioner", PluginKind.PARTITIONER, self.partitioner),
-            ("--scheduler", PluginKind.LR_SCHEDULER, self.scheduler),
-        ):
-            try:
-                registry.get(kind, name)
-            except HyperParallelError as exc:
-                raise TrainError(f"{flag}: {exc}") from None
 
 
 @dataclass

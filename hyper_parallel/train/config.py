@@ -1,0 +1,245 @@
+"""The options of ``hyper-parallel train``: one dataclass, and each field's command-line flag.
+
+Every :class:`TrainConfig` field is a flag of ``hyper-parallel train``: ``--`` and
+the field's name with dashes, parsed as the field's type. A field's
+``metadata["option"]`` (an :class:`Option`) holds its help text and what the
+flag and :meth:`TrainConfig.validate` check; a new field gets its flag with no
+other edit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hyper_parallel.core.errors import HyperParallelError, HyperParallelValueError
+from hyper_parallel.core.plugin import PluginKind, get_registry
+
+__all__ = ["MUON_ADAMW", "ConfigField", "Option", "TrainConfig", "TrainError", "config_fields"]
+
+#: The default optimizer: Muon for hidden matrices, AdamW for the rest.
+MUON_ADAMW = "muon+adamw"
+
+
+class TrainError(HyperParallelValueError):
+    """A training option or input that cannot be used; the message says which and why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """How a :class:`TrainConfig` field reads on the command line, and what is checked.
+
+    A ``bool`` field is a switch: ``--name`` when it defaults to False,
+    ``--no-name`` when it defaults to True.
+    """
+
+    help: str = "(default: %(default)s)"  # argparse's help text, ``%(default)s`` included
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None  # the only values allowed
+    positive: bool = False  # an int that must be >= 1
+    on_command_line: bool = True
+
+
+def _option(
+    help: str = Option.help,
+    *,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    positive: bool = False,
+    on_command_line: bool = True,
+) -> dict[str, Option]:
+    """A field's ``metadata``: its :class:`Option`."""
+    option = Option(
+        help=help,
+        metavar=metavar,
+        choices=choices,
+        positive=positive,
+        on_command_line=on_command_line,
+    )
+    return {"option": option}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything one ``hyper-parallel train`` invocation needs."""
+
+    optimizer: str = field(
+        default=MUON_ADAMW,
+        metadata=_option(f"'{MUON_ADAMW}' (default), or any registered optimizer name"),
+    )
+    compare: str | None = field(
+        default=None,
+        metadata=_option(
+            "also train with this optimizer and plot both (e.g. adamw)", metavar="NAME"
+        ),
+    )
+    partitioner: str = field(
+        default="by_shape",
+        metadata=_option(f"how {MUON_ADAMW} splits params (default: %(default)s)"),
+    )
+    scheduler: str = field(
+        default="cosine", metadata=_option("LR schedule name (default: %(default)s)")
+    )
+    steps: int = field(
+        default=400, metadata=_option("optimizer steps (default: %(default)s)", positive=True)
+    )
+    warmup_steps: int | None = field(
+        default=None, metadata=_option("warmup steps (default: 5%% of --steps)")
+    )
+    lr: float = field(
+        default=3e-3,
+        metadata=_option("AdamW's peak lr, or the single optimizer's (default: %(default)s)"),
+    )
+    muon_lr: float = field(default=0.02, metadata=_option("Muon's peak lr (default: %(default)s)"))
+    weight_decay: float = field(default=0.0, metadata=_option())
+    batch_size: int = field(default=32, metadata=_option(positive=True))
+    seq_len: int = field(default=128, metadata=_option(positive=True))
+    dim: int = field(
+        default=128, metadata=_option("model width (default: %(default)s)", positive=True)
+    )
+    layers: int = field(
+        default=4, metadata=_option("decoder blocks (default: %(default)s)", positive=True)
+    )
+    heads: int = field(
+        default=4, metadata=_option("attention heads (default: %(default)s)", positive=True)
+    )
+    tied_embeddings: bool = field(
+        default=False, metadata=_option("share the embedding and lm_head weights")
+    )
+    eval_every: int = field(
+        default=25,
+        metadata=_option("validation interval in steps (default: %(default)s)", positive=True),
+    )
+    eval_batches: int = field(
+        default=8,
+        metadata=_option("batches per validation", positive=True, on_command_line=False),
+    )
+    log_every: int = field(
+        default=5,
+        metadata=_option("train loss interval in steps", positive=True, on_command_line=False),
+    )
+    seed: int = field(default=0, metadata=_option())
+    data: Path | None = field(
+        default=None, metadata=_option("train on this UTF-8 text file instead of the built-in data")
+    )
+    tokenizer: str = field(
+        default="char",
+        metadata=_option("for --data (default: %(default)s)", choices=("char", "byte")),
+    )
+    out: Path = field(
+        default=Path("runs/train"), metadata=_option("output directory (default: %(default)s)")
+    )
+    progress: bool = field(default=True, metadata=_option("no progress bar"))
+    sharding: str | None = field(
+        default=None,
+        metadata=_option(
+            "shard the model with this backend (fsdp, hsdp); run under torchrun, e.g. "
+            "torchrun --nproc_per_node 2 -m hyper_parallel train --sharding fsdp"
+        ),
+    )
+    checkpoint_dir: Path | None = field(
+        default=None, metadata=_option("save checkpoints here (one folder per run)")
+    )
+    checkpoint_every: int = field(
+        default=0,
+        metadata=_option("also save every N steps (default: only at the end)", metavar="N"),
+    )
+    resume: bool = field(
+        default=False, metadata=_option("continue from the newest checkpoint in --checkpoint-dir")
+    )
+
+    def validate(self) -> None:
+        """Raise :class:`TrainError` for the first unusable option."""
+        fields = config_fields()
+        for f in fields:
+            value = getattr(self, f.name)
+            if f.option.positive and value < 1:
+                raise TrainError(f"{f.flag} must be >= 1, got {value}")
+        self._check_ranges()
+        for f in fields:
+            value = getattr(self, f.name)
+            if f.option.choices is not None and value not in f.option.choices:
+                allowed = " or ".join(repr(c) for c in f.option.choices)
+                raise TrainError(f"{f.flag} must be {allowed}, got {value!r}")
+        self._check_plugin_names()
+
+    def _check_ranges(self) -> None:
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+            raise TrainError(
+                f"--warmup-steps must be between 0 and --steps ({self.steps}), got {self.warmup_steps}"
+            )
+        for name in ("lr", "muon_lr"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise TrainError(f"{_flag(name)} must be a positive number, got {value}")
+        if self.checkpoint_every < 0:
+            raise TrainError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if (self.resume or self.checkpoint_every) and self.checkpoint_dir is None:
+            raise TrainError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+        if self.weight_decay < 0:
+            raise TrainError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.dim % self.heads:
+            raise TrainError(f"--dim ({self.dim}) must be divisible by --heads ({self.heads})")
+
+    def _check_plugin_names(self) -> None:
+        registry = get_registry()
+        if self.sharding is not None:
+            try:
+                registry.get(PluginKind.SHARDING_BACKEND, self.sharding)
+            except HyperParallelError as exc:
+                raise TrainError(f"--sharding: {exc}") from None
+        for flag, choice in (("--optimizer", self.optimizer), ("--compare", self.compare)):
+            if choice is not None and choice != MUON_ADAMW:
+                try:
+                    registry.get(PluginKind.OPTIMIZER, choice)
+                except HyperParallelError as exc:
+                    raise TrainError(f"{flag}: {exc}") from None
+        for flag, kind, name in (
+            ("--partitioner", PluginKind.PARTITIONER, self.partitioner),
+            ("--scheduler", PluginKind.LR_SCHEDULER, self.scheduler),
+        ):
+            try:
+                registry.get(kind, name)
+            except HyperParallelError as exc:
+                raise TrainError(f"{flag}: {exc}") from None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """One :class:`TrainConfig` field as the command line sees it."""
+
+    name: str
+    type: type  # what a value is parsed as: int, float, str, bool or Path (never None)
+    default: Any
+    option: Option
+
+    @property
+    def flag(self) -> str:
+        """``--name-with-dashes``; a switch that turns a True default off is ``--no-...``."""
+        off_switch = self.type is bool and self.default is True
+        return _flag(f"no_{self.name}" if off_switch else self.name)
+
+
+def config_fields() -> list[ConfigField]:
+    """Every :class:`TrainConfig` field, in order, with its type and :class:`Option`."""
+    hints = typing.get_type_hints(TrainConfig)
+    return [
+        ConfigField(
+            f.name, _value_type(hints[f.name]), f.default, f.metadata.get("option", Option())
+        )
+        for f in dataclasses.fields(TrainConfig)
+    ]
+
+
+def _value_type(hint: Any) -> type:
+    """``int`` for ``int`` and for ``int | None``."""
+    kinds: list[type] = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    return kinds[0]
