@@ -2,8 +2,9 @@
 
 from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import DataError, TokenizedText, load_text_file, synthetic_corpus
-from hyper_parallel.train.loop import RunResult, steps_to_reach, train
+from hyper_parallel.train.loop import steps_to_reach, train
 from hyper_parallel.train.model import GPTConfig, TinyGPT
+from hyper_parallel.train.run import RunResult
 
 __all__ = [
     "MUON_ADAMW",

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hyper_parallel.train.loop import RunResult
+    from hyper_parallel.train.run import RunResult
 
 __all__ = ["plot_losses"]
 

@@ -1,0 +1,372 @@
+"""One optimizer's run of ``hyper-parallel train``: a fresh model trained step by step."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import torch
+
+from hyper_parallel.core.optimizer import (
+    ChainedOptimizer,
+    HyperLRScheduler,
+    get_hyper_lr_scheduler,
+    get_hyper_optimizer,
+    step_if_finite,
+)
+from hyper_parallel.core.plugin import PluginKind, get_registry
+from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
+from hyper_parallel.train.data import TokenizedText, batches
+from hyper_parallel.train.model import GPTConfig, TinyGPT
+from hyper_parallel.train.placement import Placement
+
+if TYPE_CHECKING:
+    from hyper_parallel.checkpoint import CheckpointManager
+
+__all__ = ["Metrics", "RunResult", "build_optimizer", "run_one"]
+
+#: A run stops when this many steps in a row have non-finite gradients.
+_MAX_SKIPS_IN_A_ROW = 10
+
+
+@dataclass
+class RunResult:
+    """What one optimizer's run produced."""
+
+    name: str
+    steps_done: int
+    train_losses: list[tuple[int, float]] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    interrupted: bool = False
+    skipped: list[int] = field(default_factory=list)  # steps skipped for non-finite gradients
+
+    @property
+    def final_val_loss(self) -> float | None:
+        return self.val_losses[-1][1] if self.val_losses else None
+
+
+def build_optimizer(config: TrainConfig, name: str, model: torch.nn.Module) -> ChainedOptimizer:
+    """``muon+adamw`` through a partitioner, or one named optimizer on every param.
+
+    A single optimizer gets two groups: params with two or more dims, with
+    weight decay, and the rest (norms, biases) without.
+    """
+    if name == MUON_ADAMW:
+        return get_hyper_optimizer(
+            model,
+            partitioner=config.partitioner,
+            muon_kwargs={"lr": config.muon_lr, "weight_decay": config.weight_decay},
+            adamw_kwargs={"lr": config.lr, "weight_decay": config.weight_decay},
+        )
+    entry = get_registry().get(PluginKind.OPTIMIZER, name)
+    lr = config.muon_lr if entry.name == "muon" else config.lr
+    params = [p for p in model.parameters() if p.requires_grad]
+    matrices = [p for p in params if p.ndim >= 2]
+    vectors = [p for p in params if p.ndim < 2]
+    groups: list[dict[str, Any]] = [{"params": matrices, "weight_decay": config.weight_decay}]
+    if vectors:
+        groups.append({"params": vectors, "weight_decay": 0.0})
+    try:
+        return get_hyper_optimizer(model, optimizers={entry.name: {"params": groups, "lr": lr}})
+    except (TypeError, ValueError) as exc:
+        raise TrainError(f"--optimizer {name}: {exc}") from None
+
+
+class Metrics:
+    """Appends one JSON object per line and flushes, so an interrupted run keeps its log.
+
+    With no path (ranks other than 0 of a sharded run) it writes nothing.
+    """
+
+    def __init__(self, path: Path | None, *, append: bool = False) -> None:
+        self._file: TextIO | None = None
+        if path is not None:
+            self._file = (
+                path.open("a", encoding="utf-8") if append else path.open("w", encoding="utf-8")
+            )
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _evaluate(model: TinyGPT, val_batches: list[torch.Tensor]) -> float:
+    model.eval()
+    with torch.no_grad():
+        loss = sum(float(model.loss(b)) for b in val_batches) / len(val_batches)
+    model.train()
+    return loss
+
+
+def _lrs(optimizer: ChainedOptimizer) -> dict[str, float]:
+    return {name: float(opt.param_groups[0]["lr"]) for name, opt in optimizer.optimizers.items()}
+
+
+class _Throughput:
+    """Tokens per second: over the steps since the last log line, and over the whole run."""
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.start = self._window_start = time.perf_counter()
+        self._window_steps = 0
+
+    def count_step(self) -> None:
+        self._window_steps += 1
+
+    def window(self) -> float:
+        """Over the steps counted since the last call (or the start); starts a new window."""
+        now = time.perf_counter()
+        tps = self.tokens_per_step * self._window_steps / max(now - self._window_start, 1e-9)
+        self._window_start, self._window_steps = now, 0
+        return tps
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
+@dataclass
+class _Run:
+    """One optimizer's run in progress: what trains, on which batches, and what it produced.
+
+    Built by :meth:`start`; :meth:`step` does one optimizer step and the logging,
+    validation and checkpoint that fall on it.
+    """
+
+    config: TrainConfig
+    model: TinyGPT
+    optimizer: ChainedOptimizer
+    scheduler: HyperLRScheduler
+    train_batches: Iterator[torch.Tensor]
+    val_batches: list[torch.Tensor]
+    placement: Placement
+    metrics: Metrics
+    checkpoints: CheckpointManager | None
+    result: RunResult  # steps_done: the steps already done, more than 0 when resumed
+    bar: Any  # a progress bar (tqdm's interface), or None
+    throughput: _Throughput
+    skipped_in_a_row: int = 0
+
+    @classmethod
+    def start(
+        cls,
+        config: TrainConfig,
+        name: str,
+        data: TokenizedText,
+        metrics: Metrics,
+        progress_factory: Callable[..., Any] | None,
+        placement: Placement,
+    ) -> _Run:
+        """A fresh model, its optimizer and schedule, resumed from a checkpoint if asked."""
+        torch.manual_seed(config.seed)
+        model = _build_model(config, data.vocab_size)
+        if placement.backend is not None:
+            placement.backend.shard_model(model, mesh=placement.mesh)
+        optimizer = build_optimizer(config, name, model)
+        scheduler = _build_scheduler(config, optimizer)
+        train_batches, val_batches = _batches(config, data, placement)
+        checkpoints = _checkpoints(config, name)
+        done = 0
+        if checkpoints is not None and config.resume:
+            done = _resume(checkpoints, model, optimizer, scheduler, train_batches)
+        result = RunResult(name=name, steps_done=done)
+        bar = progress_factory(total=config.steps, desc=name) if progress_factory else None
+        tokens_per_step = config.batch_size * config.seq_len * placement.world_size
+        return cls(
+            config=config,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            train_batches=train_batches,
+            val_batches=val_batches,
+            placement=placement,
+            metrics=metrics,
+            checkpoints=checkpoints,
+            result=result,
+            bar=bar,
+            throughput=_Throughput(tokens_per_step),
+        )
+
+    @property
+    def name(self) -> str:
+        return self.result.name
+
+    def evaluate(self, step: int) -> None:
+        self.result.val_losses.append((step, _evaluate(self.model, self.val_batches)))
+        self.metrics.write(
+            {"run": self.name, "step": step, "val_loss": self.result.val_losses[-1][1]}
+        )
+
+    def step(self, step: int) -> None:
+        """One optimizer step, or a skipped one when a gradient is not finite."""
+        lrs = _lrs(self.optimizer)
+        loss = self.model.loss(next(self.train_batches).to(self.placement.device))
+        loss.backward()
+        stepped = step_if_finite(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        value = self.placement.mean(float(loss.detach()))
+        if stepped:
+            self._after_step(step, value, lrs)
+        else:
+            self._skip(step, value)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def _skip(self, step: int, loss: float) -> None:
+        """Params, optimizer state and schedule stay as they were: as if without this batch."""
+        self.skipped_in_a_row += 1
+        self.result.skipped.append(step)
+        self.metrics.write({"run": self.name, "step": step, "skipped": "non-finite gradient"})
+        if self.skipped_in_a_row >= _MAX_SKIPS_IN_A_ROW:
+            raise TrainError(
+                f"{self.name}: {self.skipped_in_a_row} steps in a row had non-finite gradients "
+                f"(loss {loss}) up to step {step}; lower the learning rate"
+            )
+
+    def _after_step(self, step: int, loss: float, lrs: dict[str, float]) -> None:
+        """Advance the schedule; log, validate and save where ``step`` falls on their interval."""
+        config = self.config
+        self.skipped_in_a_row = 0
+        self.scheduler.step()
+        self.result.train_losses.append((step, loss))
+        self.result.steps_done = step
+        self.throughput.count_step()
+        last = step == config.steps
+        if step % config.log_every == 0 or last:
+            self._log(step, loss, lrs)
+        if step % config.eval_every == 0 or last:
+            self.evaluate(step)
+        every = config.checkpoint_every
+        if self.checkpoints is not None and (last or (every and step % every == 0)):
+            self.checkpoints.save(
+                step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+            )
+
+    def _log(self, step: int, loss: float, lrs: dict[str, float]) -> None:
+        tps = self.throughput.window()
+        self.metrics.write(
+            {
+                "run": self.name,
+                "step": step,
+                "train_loss": loss,
+                "lr": lrs,
+                "tokens_per_s": round(tps),
+            }
+        )
+        if self.bar is not None:
+            lr_text = {f"lr_{k}": f"{v:.2e}" for k, v in lrs.items()}
+            self.bar.set_postfix(
+                {"loss": f"{loss:.3f}", **lr_text, "tok/s": f"{tps:,.0f}"}, refresh=False
+            )
+
+    def finish(self) -> RunResult:
+        """The result, with the run's time and tokens per second (resumed steps included)."""
+        result = self.result
+        result.seconds = self.throughput.seconds()
+        tokens = self.throughput.tokens_per_step * result.steps_done
+        result.tokens_per_s = tokens / max(result.seconds, 1e-9)
+        return result
+
+
+def _build_model(config: TrainConfig, vocab_size: int) -> TinyGPT:
+    return TinyGPT(
+        GPTConfig(
+            vocab_size=vocab_size,
+            seq_len=config.seq_len,
+            dim=config.dim,
+            layers=config.layers,
+            heads=config.heads,
+            mlp_hidden=_mlp_hidden(config.dim),
+            tied_embeddings=config.tied_embeddings,
+        )
+    )
+
+
+def _mlp_hidden(dim: int) -> int:
+    """SwiGLU width: 8/3 of dim, rounded up to a multiple of 32."""
+    return -(-8 * dim // 3 // 32) * 32
+
+
+def _build_scheduler(config: TrainConfig, optimizer: ChainedOptimizer) -> HyperLRScheduler:
+    warmup = config.warmup_steps if config.warmup_steps is not None else max(1, config.steps // 20)
+    try:
+        return get_hyper_lr_scheduler(
+            optimizer, config.scheduler, total_steps=config.steps, warmup_steps=warmup
+        )
+    except (TypeError, ValueError) as exc:
+        raise TrainError(f"--scheduler {config.scheduler}: {exc}") from None
+
+
+def _batches(
+    config: TrainConfig, data: TokenizedText, placement: Placement
+) -> tuple[Iterator[torch.Tensor], list[torch.Tensor]]:
+    """Training batches (each rank its own) and the fixed validation batches (every rank's)."""
+    train_batches = batches(
+        data.train, batch_size=config.batch_size, seq_len=config.seq_len,
+        generator=torch.Generator().manual_seed(config.seed + 7919 * placement.rank),
+    )  # fmt: skip
+    val_iter = batches(
+        data.val, batch_size=config.batch_size, seq_len=config.seq_len,
+        generator=torch.Generator().manual_seed(config.seed + 1),
+    )  # fmt: skip
+    return train_batches, [next(val_iter).to(placement.device) for _ in range(config.eval_batches)]
+
+
+def _checkpoints(config: TrainConfig, name: str) -> CheckpointManager | None:
+    """With ``--checkpoint-dir``, a manager of the run's own folder (``muon+adamw``: ``muon_adamw``)."""
+    if config.checkpoint_dir is None:
+        return None
+    from hyper_parallel.checkpoint import CheckpointManager
+
+    return CheckpointManager(config.checkpoint_dir / name.replace("+", "_"), keep_last=2)
+
+
+def _resume(
+    checkpoints: CheckpointManager,
+    model: TinyGPT,
+    optimizer: ChainedOptimizer,
+    scheduler: HyperLRScheduler,
+    train_batches: Iterator[torch.Tensor],
+) -> int:
+    """Load the newest checkpoint, if any, and skip the batches it trained on; its step."""
+    done = checkpoints.load_latest(model=model, optimizer=optimizer, scheduler=scheduler) or 0
+    for _ in range(done):  # the same batches as an uninterrupted run
+        next(train_batches)
+    return done
+
+
+def run_one(
+    config: TrainConfig,
+    name: str,
+    data: TokenizedText,
+    metrics: Metrics,
+    progress_factory: Callable[..., Any] | None,
+    placement: Placement | None = None,
+) -> RunResult:
+    """Train a fresh model with optimizer ``name``; every run sees the same init and batches.
+
+    Sharded, each rank draws its own batches (the global batch is
+    ``batch_size x world_size``) and only rank 0 writes metrics.
+    """
+    run = _Run.start(config, name, data, metrics, progress_factory, placement or Placement())
+    first = run.result.steps_done + 1
+    try:
+        run.evaluate(first - 1)
+        for step in range(first, config.steps + 1):
+            run.step(step)
+    except KeyboardInterrupt:
+        run.result.interrupted = True
+    finally:
+        if run.bar is not None:
+            run.bar.close()
+    return run.finish()
