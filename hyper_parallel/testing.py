@@ -222,23 +222,14 @@ def check_lr_schedule(
             )
 
 
-class _ToyDecoder(torch.nn.Module):
-    """Embedding, two projections, a norm and a head: every kind of param a partitioner sees."""
+def _toy_decoder() -> torch.nn.Module:
+    """The library's decoder, tiny: embeddings, projections (q/k/v with biases), norms, a head."""
+    from hyper_parallel.train.model import GPTConfig, TinyGPT
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed_tokens = torch.nn.Embedding(16, 8)
-        self.q_proj = torch.nn.Linear(8, 8)
-        self.up_proj = torch.nn.Linear(8, 12, bias=False)
-        self.down_proj = torch.nn.Linear(12, 8, bias=False)
-        self.norm = torch.nn.LayerNorm(8)
-        self.lm_head = torch.nn.Linear(8, 16, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(ids)
-        x = x + self.down_proj(torch.relu(self.up_proj(self.q_proj(x))))
-        logits: torch.Tensor = self.lm_head(self.norm(x))
-        return logits
+    config = GPTConfig(
+        vocab_size=16, seq_len=8, dim=8, layers=1, heads=2, mlp_hidden=12, qkv_bias=True
+    )
+    return TinyGPT(config)
 
 
 def check_partitioner(
@@ -248,8 +239,9 @@ def check_partitioner(
 
     Args:
         name: The partitioner's registered name.
-        model: The model to split (default: a small decoder with an
-            embedding, projections, a norm, biases and a head).
+        model: The model to split (default: a small decoder with
+            embeddings, projections, norms, biases and a head, which the check
+            then also trains for a few steps).
         **options: The partitioner's options.
 
     Returns:
@@ -262,7 +254,8 @@ def check_partitioner(
     """
     from hyper_parallel.core.optimizer import get_hyper_optimizer
 
-    model = model if model is not None else _ToyDecoder()
+    own_model = model is None
+    model = model if model is not None else _toy_decoder()
     registry = get_registry()
     assignment = registry.get(PluginKind.PARTITIONER, name).obj(model, **options)
     if not isinstance(assignment, dict):
@@ -284,7 +277,7 @@ def check_partitioner(
     missed = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
     if missed:
         raise AssertionError(f"partitioner {name!r} leaves out trainable params: {missed}")
-    if isinstance(model, _ToyDecoder):
+    if own_model:
         optimizer = get_hyper_optimizer(model, partitioner=name, partitioner_kwargs=options or None)
         ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(0))
         losses = []

@@ -14,6 +14,8 @@ from distributed import free_port
 from torch import nn
 
 from hyper_parallel import get_registry
+from hyper_parallel.train.model import DecoderBlock, GPTConfig, TinyGPT
+from hyper_parallel.train.model import RMSNorm as RMSNorm  # for test_layouts
 
 #: ``hyper-parallel train`` arguments for a model small enough for a test.
 TINY_TRAIN_ARGS = [
@@ -55,41 +57,16 @@ def torchrun_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+class Block(DecoderBlock):
+    """The library's decoder block, its norms named as in the user guide: input_norm, post_norm."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+    norm_names = ("input_norm", "post_norm")
 
 
-class Block(nn.Module):
-    """Attention-shaped and SwiGLU-shaped projections, named like Llama/Qwen layers."""
+class TinyLM(TinyGPT):
+    """The library's decoder, small: one head, q/k/v biases, no position table, torch's init."""
 
-    def __init__(self, dim: int, hidden: int, qkv_bias: bool) -> None:
-        super().__init__()
-        self.input_norm = RMSNorm(dim)
-        self.q_proj = nn.Linear(dim, dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(dim, dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(dim, dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(dim, dim, bias=False)
-        self.post_norm = RMSNorm(dim)
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.input_norm(x)
-        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        att = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
-        x = x + self.o_proj(att @ v)
-        h = self.post_norm(x)
-        return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
-
-
-class TinyLM(nn.Module):
-    """A two-layer decoder-shaped model: embedding, blocks, final norm, lm_head."""
+    block_type = Block
 
     def __init__(
         self,
@@ -100,19 +77,19 @@ class TinyLM(nn.Module):
         qkv_bias: bool = True,
         tied: bool = False,
     ) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, hidden, qkv_bias) for _ in range(layers))
-        self.norm = RMSNorm(dim)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
-        if tied:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(self.norm(x))
+        super().__init__(
+            GPTConfig(
+                vocab_size=vocab,
+                dim=dim,
+                mlp_hidden=hidden,
+                layers=layers,
+                heads=1,
+                qkv_bias=qkv_bias,
+                tied_embeddings=tied,
+                learned_positions=False,
+                init_std=None,
+            )
+        )
 
 
 def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

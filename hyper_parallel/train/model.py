@@ -3,11 +3,18 @@
 Attention projections ``q_proj/k_proj/v_proj/o_proj``, a SwiGLU MLP
 ``gate_proj/up_proj/down_proj``, RMSNorm, learned positions, and a tied or
 untied ``lm_head``: the layout the user guide's param split expects.
+
+The one toy decoder of the project: ``hyper-parallel train`` trains it,
+:func:`hyper_parallel.testing.check_partitioner` splits it, and the tests
+build it small (a subclass may rename the block norms through
+:attr:`DecoderBlock.norm_names` and swap the block class through
+:attr:`TinyGPT.block_type`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -15,7 +22,7 @@ from torch.nn import functional as F
 
 from hyper_parallel.core.errors import HyperParallelValueError
 
-__all__ = ["DecoderBlock", "GPTConfig", "TinyGPT"]
+__all__ = ["DecoderBlock", "GPTConfig", "RMSNorm", "TinyGPT"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,13 +30,15 @@ class GPTConfig:
     """Shape of :class:`TinyGPT`."""
 
     vocab_size: int
-    seq_len: int = 128
+    seq_len: int = 128  # the longest sequence: the size of the position table
     dim: int = 128
     layers: int = 4
     heads: int = 4
     mlp_hidden: int = 352
     tied_embeddings: bool = False
     qkv_bias: bool = False
+    learned_positions: bool = True  # False: no ``embed_positions``, and no length limit
+    init_std: float | None = 0.02  # GPT-2's init (see TinyGPT); None: PyTorch's default init
 
     def __post_init__(self) -> None:
         if self.dim % self.heads:
@@ -54,23 +63,28 @@ class RMSNorm(nn.Module):
 class DecoderBlock(nn.Module):
     """Pre-norm causal self-attention and SwiGLU MLP, each with a residual."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    #: Names of the norm before attention and the norm before the MLP (Llama's).
+    norm_names: ClassVar[tuple[str, str]] = ("input_layernorm", "post_attention_layernorm")
+
+    def __init__(
+        self, dim: int, mlp_hidden: int, qkv_bias: bool = False, *, heads: int = 1
+    ) -> None:
         super().__init__()
-        d = config.dim
-        self.heads = config.heads
-        self.input_layernorm = RMSNorm(d)
-        self.q_proj = nn.Linear(d, d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d, d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(d, d, bias=False)
-        self.post_attention_layernorm = RMSNorm(d)
-        self.gate_proj = nn.Linear(d, config.mlp_hidden, bias=False)
-        self.up_proj = nn.Linear(d, config.mlp_hidden, bias=False)
-        self.down_proj = nn.Linear(config.mlp_hidden, d, bias=False)
+        self.heads = heads
+        self.add_module(self.norm_names[0], RMSNorm(dim))
+        self.q_proj = nn.Linear(dim, dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dim, dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dim, dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+        self.add_module(self.norm_names[1], RMSNorm(dim))
+        self.gate_proj = nn.Linear(dim, mlp_hidden, bias=False)
+        self.up_proj = nn.Linear(dim, mlp_hidden, bias=False)
+        self.down_proj = nn.Linear(mlp_hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        h = self.input_layernorm(x)
+        attention_norm, mlp_norm = (self.get_submodule(name) for name in self.norm_names)
+        h = attention_norm(x)
 
         def heads(proj: nn.Linear) -> torch.Tensor:
             out: torch.Tensor = proj(h)
@@ -80,46 +94,63 @@ class DecoderBlock(nn.Module):
             heads(self.q_proj), heads(self.k_proj), heads(self.v_proj), is_causal=True
         )
         x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, d))
-        h = self.post_attention_layernorm(x)
+        h = mlp_norm(x)
         mlp: torch.Tensor = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
         return x + mlp
 
 
 class TinyGPT(nn.Module):
-    """Token + position embeddings, decoder blocks, final norm, ``lm_head``."""
+    """Token (+ position) embeddings, decoder blocks, final norm, ``lm_head``."""
+
+    #: The class of each of :attr:`layers`.
+    block_type: ClassVar[type[DecoderBlock]] = DecoderBlock
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
-        self.embed_positions = nn.Embedding(config.seq_len, config.dim)
-        self.layers = nn.ModuleList(DecoderBlock(config) for _ in range(config.layers))
+        if config.learned_positions:
+            self.embed_positions = nn.Embedding(config.seq_len, config.dim)
+        self.layers = nn.ModuleList(
+            self.block_type(config.dim, config.mlp_hidden, config.qkv_bias, heads=config.heads)
+            for _ in range(config.layers)
+        )
         self.norm = RMSNorm(config.dim)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        if config.init_std is not None:
+            self._init_weights(config.init_std)
         if config.tied_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # GPT-2 style: residual projections start small so the stack begins near identity.
+
+    def _init_weights(self, std: float) -> None:
+        """GPT-2's init: matrices and embeddings ``N(0, std)``, biases zero.
+
+        The residual projections (``o_proj``, ``down_proj``) start smaller, so the
+        stack begins near identity.
+        """
+
+        def normal(module: nn.Module) -> None:
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+        self.apply(normal)
         for block in self.layers:
             assert isinstance(block, DecoderBlock)
             for proj in (block.o_proj, block.down_proj):
-                nn.init.normal_(proj.weight, std=0.02 / (2 * config.layers) ** 0.5)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+                nn.init.normal_(proj.weight, std=std / (2 * self.config.layers) ** 0.5)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits of shape ``(batch, seq, vocab)`` for token ids ``(batch, seq)``."""
-        t = ids.shape[1]
-        if t > self.config.seq_len:
-            raise HyperParallelValueError(
-                f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}"
-            )
-        x = self.embed_tokens(ids) + self.embed_positions(torch.arange(t, device=ids.device))
+        x = self.embed_tokens(ids)
+        if self.config.learned_positions:
+            t = ids.shape[1]
+            if t > self.config.seq_len:
+                raise HyperParallelValueError(
+                    f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}"
+                )
+            x = x + self.embed_positions(torch.arange(t, device=ids.device))
         for block in self.layers:
             x = block(x)
         logits: torch.Tensor = self.lm_head(self.norm(x))
