@@ -2,9 +2,9 @@
 
 The user guide's flow, end to end, in a few seconds on a CPU:
 
-1. a tiny decoder-only language model named like Llama/Qwen layers
-   (``q_proj`` ... ``down_proj``, RMSNorm, token embedding, ``lm_head``; q/k/v
-   carry a bias as in Qwen);
+1. a tiny decoder-only language model (the one ``hyper-parallel train``
+   trains) named like Llama/Qwen layers (``q_proj`` ... ``down_proj``,
+   RMSNorm, token embedding, ``lm_head``; q/k/v carry a bias as in Qwen);
 2. the guide's name-based split: the projection matrices go to Muon,
    everything else (embedding, norms, biases, ``lm_head``) to AdamW;
 3. ``get_hyper_optimizer``, which builds both and chains them into one
@@ -42,6 +42,7 @@ from hyper_parallel.core.optimizer import (
     get_hyper_lr_scheduler,
     get_hyper_optimizer,
 )
+from hyper_parallel.train import GPTConfig, TinyGPT
 
 # The guide's rule: the large projections use Muon.
 MUON_KEYS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -61,65 +62,29 @@ class ModelConfig:
     num_heads: int = 4
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale."""
+class TinyDecoder(TinyGPT):
+    """The decoder ``hyper-parallel train`` trains, at :class:`ModelConfig`'s sizes.
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class DecoderBlock(nn.Module):
-    """Pre-norm causal self-attention and a SwiGLU MLP, with Llama/Qwen layer names."""
+    Per block: ``input_layernorm`` (RMSNorm), ``q_proj/k_proj/v_proj`` (with a
+    bias, as in Qwen) and ``o_proj`` around causal attention,
+    ``post_attention_layernorm``, then ``gate_proj/up_proj/down_proj`` (SwiGLU).
+    Around the blocks: ``embed_tokens``, a final ``norm`` and an untied
+    ``lm_head``; no position table, and torch's default init.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        dim, hidden = config.dim, config.hidden_dim
-        self.num_heads = config.num_heads
-        self.input_layernorm = RMSNorm(dim)
-        self.q_proj = nn.Linear(dim, dim, bias=True)
-        self.k_proj = nn.Linear(dim, dim, bias=True)
-        self.v_proj = nn.Linear(dim, dim, bias=True)
-        self.o_proj = nn.Linear(dim, dim, bias=False)
-        self.post_attention_layernorm = RMSNorm(dim)
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, dim = x.shape
-        return x.view(batch, seq, self.num_heads, dim // self.num_heads).transpose(1, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        q, k, v = (self._heads(proj(h)) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o_proj(attention.transpose(1, 2).reshape(x.shape))
-        h = self.post_attention_layernorm(x)
-        mlp: torch.Tensor = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        return x + mlp
-
-
-class TinyDecoder(nn.Module):
-    """Token embedding, decoder blocks, final RMSNorm and an untied ``lm_head``."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(DecoderBlock(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.dim)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(ids)
-        for layer in self.layers:
-            x = layer(x)
-        logits: torch.Tensor = self.lm_head(self.norm(x))
-        return logits
+        super().__init__(
+            GPTConfig(
+                vocab_size=config.vocab_size,
+                dim=config.dim,
+                mlp_hidden=config.hidden_dim,
+                layers=config.num_layers,
+                heads=config.num_heads,
+                qkv_bias=True,
+                learned_positions=False,
+                init_std=None,
+            )
+        )
 
 
 def next_token_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
