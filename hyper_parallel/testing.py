@@ -169,7 +169,7 @@ def check_lr_schedule(
     Raises:
         AssertionError: with what went wrong.
     """
-    from hyper_parallel.core.optimizer.scheduler import get_hyper_lr_scheduler
+    from hyper_parallel.core.optimizer import get_hyper_lr_scheduler
 
     peaks = (0.1, 0.003)
 

@@ -16,7 +16,7 @@ from torch import nn
 from hyper_parallel import hookimpl
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.optimizer import ChainedOptimizer, Sinkhorn, get_hyper_optimizer
-from hyper_parallel.core.optimizer.factory import FAMILY_ROUTING_KEYS
+from hyper_parallel.core.optimizer._factory import FAMILY_ROUTING_KEYS
 from hyper_parallel.testing import check_partitioner, plugin_registered
 
 TINY = {

@@ -22,9 +22,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hyper_parallel
 from conftest import Block, TinyLM, lm_loss
-from hyper_parallel.core.distributed import fsdp as fsdp_module
-from hyper_parallel.core.distributed.fsdp import fully_shard, set_gradient_scaling_factor
-from hyper_parallel.core.distributed.mesh import init_device_mesh
+from hyper_parallel.core.distributed import _fsdp as fsdp_module
+from hyper_parallel.core.distributed import (
+    fully_shard,
+    init_device_mesh,
+    set_gradient_scaling_factor,
+)
 
 GUIDE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "optimizer-guide.md"
 
@@ -315,7 +318,7 @@ def test_npu_without_torch_npu_names_the_install_command(monkeypatch: pytest.Mon
         init_device_mesh("npu", 1)
     # "auto" skips the missing NPU instead of failing.
     assert fsdp_module.init_device_mesh is init_device_mesh
-    from hyper_parallel.core.distributed.mesh import resolve_device_type
+    from hyper_parallel.core.distributed._mesh import resolve_device_type
 
     assert resolve_device_type("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -15,6 +15,7 @@ from torch import nn
 from conftest import TinyLM, lm_loss
 from hyper_parallel import (
     ChainedOptimizer,
+    MainParams,
     checkpoint,
     get_hyper_lr_scheduler,
     get_hyper_optimizer,
@@ -22,7 +23,6 @@ from hyper_parallel import (
 )
 from hyper_parallel.checkpoint import CheckpointError, CheckpointManager
 from hyper_parallel.core.distributed import clip_grad_norm_
-from hyper_parallel.core.optimizer.main_params import MainParams
 
 STEPS = 60
 FAMILIES: dict[str, Any] = {

@@ -24,7 +24,7 @@ from hyper_parallel import (
     register_plugin,
     unregister_plugin,
 )
-from hyper_parallel.core.optimizer.scheduler import HyperLRScheduler, get_hyper_lr_scheduler
+from hyper_parallel.core.optimizer import HyperLRScheduler, get_hyper_lr_scheduler
 
 T, W = 50, 10
 PEAK = 0.1
@@ -366,7 +366,7 @@ def test_groups_of_one_optimizer_each_follow_their_own_peak() -> None:
 
 
 def test_chained_optimizer_sub_optimizers_each_follow_their_own_peak() -> None:
-    chained_module = pytest.importorskip("hyper_parallel.core.optimizer.chained")
+    chained_module = pytest.importorskip("hyper_parallel.core.optimizer._chained")
     muon, adamw = sgd(0.02), torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=3e-4)
     chained = chained_module.ChainedOptimizer({"muon": muon, "adamw": adamw})
     scheduler = get_hyper_lr_scheduler(

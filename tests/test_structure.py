@@ -130,6 +130,19 @@ def test_every_public_name_is_on_the_api_page() -> None:
     assert not {m: names for m, names in missing.items() if names}, missing
 
 
+def test_core_modules_are_public_packages_or_private_implementation() -> None:
+    """Users import from the packages; the modules that implement them start with ``_``."""
+    public_files = {
+        PACKAGE.parent / (module.replace(".", "/") + ".py") for module in PUBLIC_MODULES
+    } | {PACKAGE / "core" / "plugin" / "hookspecs.py"}  # the plugin contract, read by authors
+    exposed = [
+        str(path.relative_to(PACKAGE.parent))
+        for path in (PACKAGE / "core").rglob("*.py")
+        if path.name != "__init__.py" and not path.name.startswith("_") and path not in public_files
+    ]
+    assert not exposed, f"implementation modules must be private (_name.py): {exposed}"
+
+
 def _private_torch_imports(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     found = []

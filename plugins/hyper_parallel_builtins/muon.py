@@ -22,7 +22,7 @@ from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.distributed import Need, RowBlocks, WholeMatrices
 from hyper_parallel.core.distributed.toolkit import local_tensor
 from hyper_parallel.core.errors import HyperParallelValueError
-from hyper_parallel.core.optimizer.matrix import (
+from hyper_parallel.core.optimizer import (
     MatrixOptimizer,
     by_device_and_dtype,
     momentum_updates,

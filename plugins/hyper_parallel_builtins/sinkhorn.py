@@ -27,7 +27,7 @@ from hyper_parallel import hookimpl
 from hyper_parallel.core.distributed import Reducer
 from hyper_parallel.core.distributed.toolkit import is_dtensor, local_tensor
 from hyper_parallel.core.errors import HyperParallelValueError
-from hyper_parallel.core.optimizer.matrix import MatrixOptimizer, momentum_updates
+from hyper_parallel.core.optimizer import MatrixOptimizer, momentum_updates
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = ["Sinkhorn", "sinkhorn_normalize", "state_dtype"]

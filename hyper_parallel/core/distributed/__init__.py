@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hyper_parallel.core.distributed.backend import (
+from hyper_parallel.core.distributed._backend import (
     SHARDING_ENV,
     BlocksFn,
     GroupBackends,
@@ -13,21 +13,21 @@ from hyper_parallel.core.distributed.backend import (
     ShardingBackend,
     resolve_backend,
 )
-from hyper_parallel.core.distributed.needs import Need, RowBlocks, WholeMatrices
+from hyper_parallel.core.distributed._needs import Need, RowBlocks, WholeMatrices
 from hyper_parallel.core.distributed.toolkit import Reducer
 
 if TYPE_CHECKING:
-    from hyper_parallel.core.distributed.clip_grad import clip_grad_norm_
-    from hyper_parallel.core.distributed.fsdp import fully_shard, set_gradient_scaling_factor
-    from hyper_parallel.core.distributed.mesh import init_device_mesh
+    from hyper_parallel.core.distributed._clip_grad import clip_grad_norm_
+    from hyper_parallel.core.distributed._fsdp import fully_shard, set_gradient_scaling_factor
+    from hyper_parallel.core.distributed._mesh import init_device_mesh
 
 # Imported on first use: they need torch.distributed.tensor and FSDP, which a
 # process that only lists plugins or trains on one device never loads.
 LAZY: dict[str, str] = {
-    "clip_grad_norm_": "hyper_parallel.core.distributed.clip_grad",
-    "fully_shard": "hyper_parallel.core.distributed.fsdp",
-    "set_gradient_scaling_factor": "hyper_parallel.core.distributed.fsdp",
-    "init_device_mesh": "hyper_parallel.core.distributed.mesh",
+    "clip_grad_norm_": "hyper_parallel.core.distributed._clip_grad",
+    "fully_shard": "hyper_parallel.core.distributed._fsdp",
+    "set_gradient_scaling_factor": "hyper_parallel.core.distributed._fsdp",
+    "init_device_mesh": "hyper_parallel.core.distributed._mesh",
 }
 
 __all__ = [

@@ -40,7 +40,7 @@ from hyper_parallel.core.distributed._dtensor import (
     shard_like,
     split_dim,
 )
-from hyper_parallel.core.distributed.needs import Need, RowBlocks
+from hyper_parallel.core.distributed._needs import Need, RowBlocks
 from hyper_parallel.core.errors import HyperParallelValueError
 
 if TYPE_CHECKING:

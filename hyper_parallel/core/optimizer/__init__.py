@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hyper_parallel.core.optimizer.chained import ChainedOptimizer
-from hyper_parallel.core.optimizer.factory import get_hyper_optimizer
-from hyper_parallel.core.optimizer.main_params import MainParams
-from hyper_parallel.core.optimizer.matrix import MatrixOptimizer
-from hyper_parallel.core.optimizer.nonfinite import grads_are_finite, step_if_finite
-from hyper_parallel.core.optimizer.scheduler import HyperLRScheduler, get_hyper_lr_scheduler
+from hyper_parallel.core.optimizer._chained import ChainedOptimizer
+from hyper_parallel.core.optimizer._factory import get_hyper_optimizer
+from hyper_parallel.core.optimizer._main_params import MainParams, grad_tensors
+from hyper_parallel.core.optimizer._matrix import (
+    MatrixOptimizer,
+    by_device_and_dtype,
+    momentum_updates,
+)
+from hyper_parallel.core.optimizer._nonfinite import grads_are_finite, step_if_finite
+from hyper_parallel.core.optimizer._scheduler import HyperLRScheduler, get_hyper_lr_scheduler
 
 __all__ = [
     "AdamW",
@@ -24,9 +28,12 @@ __all__ = [
     "MatrixOptimizer",
     "Muon",
     "Sinkhorn",
+    "by_device_and_dtype",
     "get_hyper_lr_scheduler",
     "get_hyper_optimizer",
+    "grad_tensors",
     "grads_are_finite",
+    "momentum_updates",
     "step_if_finite",
 ]
 

@@ -1,32 +1,42 @@
 """The plugin contract (hookspecs) and the registry that discovers plugins."""
 
-from hyper_parallel.core.plugin.markers import PROJECT_NAME, hookimpl, hookspec
-from hyper_parallel.core.plugin.registry import (
+from hyper_parallel.core.plugin._markers import PROJECT_NAME, hookimpl, hookspec
+from hyper_parallel.core.plugin._registry import (
     DISABLE_ENV,
     ENTRY_POINT_GROUP,
+    ENTRY_TYPES,
     STRICT_ENV,
+    BackendEntry,
     LoadedPlugin,
+    OptimizerEntry,
+    PartitionerEntry,
     PluginKind,
     Registry,
     RegistryEntry,
+    ScheduleEntry,
     get_registry,
     normalize_name,
     register_plugin,
     unregister_plugin,
 )
-from hyper_parallel.core.plugin.types import LRScheduleFn, RegisterFn
+from hyper_parallel.core.plugin._types import LRScheduleFn, RegisterFn
 
 __all__ = [
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
+    "ENTRY_TYPES",
     "PROJECT_NAME",
     "STRICT_ENV",
+    "BackendEntry",
     "LRScheduleFn",
     "LoadedPlugin",
+    "OptimizerEntry",
+    "PartitionerEntry",
     "PluginKind",
     "RegisterFn",
     "Registry",
     "RegistryEntry",
+    "ScheduleEntry",
     "get_registry",
     "hookimpl",
     "hookspec",

@@ -21,8 +21,8 @@ records ``obj``; nothing is built until a user selects it by name.
 
 from __future__ import annotations
 
-from hyper_parallel.core.plugin.markers import hookspec
-from hyper_parallel.core.plugin.types import RegisterFn
+from hyper_parallel.core.plugin._markers import hookspec
+from hyper_parallel.core.plugin._types import RegisterFn
 
 __all__ = [
     "hyper_parallel_register_lr_schedulers",

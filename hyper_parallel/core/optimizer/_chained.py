@@ -15,7 +15,7 @@ from hyper_parallel.core.errors import (
     HyperParallelTypeError,
     HyperParallelValueError,
 )
-from hyper_parallel.core.optimizer.main_params import MainParams
+from hyper_parallel.core.optimizer._main_params import MainParams
 
 __all__ = ["MAIN_PARAMS_KEY", "ChainedOptimizer"]
 

@@ -59,7 +59,7 @@ from hyper_parallel.core.errors import (
     HyperParallelTypeError,
     HyperParallelValueError,
 )
-from hyper_parallel.core.optimizer.main_params import grad_tensors
+from hyper_parallel.core.optimizer._main_params import grad_tensors
 
 __all__ = ["ParamSource", "clip_grad_norm_"]
 

@@ -38,8 +38,8 @@ from hyper_parallel.core.errors import (
     UnknownPluginError,
 )
 from hyper_parallel.core.plugin import hookspecs
-from hyper_parallel.core.plugin.checks import check_obj
-from hyper_parallel.core.plugin.markers import PROJECT_NAME
+from hyper_parallel.core.plugin._checks import check_obj
+from hyper_parallel.core.plugin._markers import PROJECT_NAME
 
 __all__ = [
     "DISABLE_ENV",

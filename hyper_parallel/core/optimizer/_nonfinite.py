@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from hyper_parallel.core.distributed._dtensor import local_tensor
-from hyper_parallel.core.optimizer.main_params import grad_tensors
+from hyper_parallel.core.optimizer._main_params import grad_tensors
 
 __all__ = ["grads_are_finite", "step_if_finite"]
 
@@ -16,7 +16,7 @@ def grads_are_finite(optimizer: Optimizer) -> bool:
     """Whether every gradient of ``optimizer``'s params is finite, on every rank.
 
     With fp32 main params, the gradients checked are the model params' (see
-    :func:`~hyper_parallel.core.optimizer.main_params.grad_tensors`).
+    :func:`~hyper_parallel.core.optimizer._main_params.grad_tensors`).
 
     Sharded gradients (DTensors) are checked on their local shards and the
     verdict is combined over the default process group, so all ranks agree

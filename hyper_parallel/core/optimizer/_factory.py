@@ -21,8 +21,8 @@ from hyper_parallel.core._suggest import (
 )
 from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
-from hyper_parallel.core.optimizer.chained import ChainedOptimizer
-from hyper_parallel.core.optimizer.main_params import MainParams
+from hyper_parallel.core.optimizer._chained import ChainedOptimizer
+from hyper_parallel.core.optimizer._main_params import MainParams
 from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry, normalize_name
 
 __all__ = ["get_hyper_optimizer"]
@@ -358,7 +358,7 @@ class _Plan:
         """Swap params listed before ``fully_shard`` for the sharded params that replaced them."""
         # Looked up, not imported: a process that never imported fully_shard has sharded
         # nothing with it, and importing it would load FSDP for every user.
-        fsdp = sys.modules.get("hyper_parallel.core.distributed.fsdp")
+        fsdp = sys.modules.get("hyper_parallel.core.distributed._fsdp")
         replaced = getattr(self.model, fsdp.PRESHARDING_PARAMS_ATTR, None) if fsdp else None
         if not replaced:
             return

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from hyper_parallel.core._torch_private import fsdp_param_groups
-from hyper_parallel.core.distributed.mesh import init_device_mesh
+from hyper_parallel.core.distributed._mesh import init_device_mesh
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 
 __all__ = ["BlockPredicate", "GradientScaling", "fully_shard", "set_gradient_scaling_factor"]

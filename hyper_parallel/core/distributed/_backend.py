@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.core.distributed._dtensor import is_dtensor, local_tensor, shard_like
-from hyper_parallel.core.distributed.needs import Need
+from hyper_parallel.core.distributed._needs import Need
 from hyper_parallel.core.distributed.toolkit import Reducer
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.plugin import PluginKind, get_registry
