@@ -12,6 +12,7 @@ from hyper_parallel import AdamW, ChainedOptimizer, Muon, Sinkhorn
 
 BUILDERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "muon": lambda ps: Muon(ps[:2], lr=0.02, head_dim=4),
+    "muon_gram": lambda ps: Muon(ps[:2], lr=0.02, ns_method="gram"),
     "sinkhorn": lambda ps: Sinkhorn(ps[:2], lr=0.01),
     "chained": lambda ps: ChainedOptimizer(
         {"muon": Muon(ps[:2], lr=0.02), "adamw": AdamW(ps[2:], lr=1e-3)}

@@ -18,9 +18,12 @@ from hyper_parallel import get_registry
 from hyper_parallel_builtins.muon import Muon, default_ns_dtype
 from hyper_parallel_builtins.newton_schulz import (
     COEFFICIENT_SETS,
+    GRAM_MIN_ASPECT,
     KELLER_COEFFICIENTS,
     newton_schulz,
+    newton_schulz_batched,
     resolve_coefficients,
+    resolve_ns_method,
 )
 
 # -- a float64 reference of torch.optim.Muon's update rule ---------------------
@@ -240,20 +243,25 @@ def ns_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
 
 
 @pytest.mark.parametrize(
-    ("param_dtype", "ns_dtype", "expected"),
+    ("param_dtype", "ns_dtype", "native_bf16", "expected"),
     [
-        (torch.float32, None, torch.float32),
-        (torch.float64, None, torch.float64),
-        (torch.bfloat16, None, torch.float32),
-        (torch.float32, torch.bfloat16, torch.bfloat16),
+        (torch.float32, None, False, torch.float32),
+        (torch.float32, None, True, torch.bfloat16),
+        (torch.float64, None, True, torch.float64),
+        (torch.bfloat16, None, False, torch.float32),
+        (torch.float32, torch.bfloat16, False, torch.bfloat16),
+        (torch.float32, torch.float32, True, torch.float32),
     ],
 )
 def test_newton_schulz_dtype_and_params_keep_their_own(
     ns_dtypes: list[torch.dtype],
+    monkeypatch: pytest.MonkeyPatch,
     param_dtype: torch.dtype,
     ns_dtype: torch.dtype | None,
+    native_bf16: bool,
     expected: torch.dtype,
 ) -> None:
+    monkeypatch.setattr(muon_module, "cpu_has_native_bf16", lambda: native_bf16)
     param = torch.randn(8, 16, dtype=param_dtype, requires_grad=True)
     opt = Muon([param], lr=0.02, ns_dtype=ns_dtype)
     param.grad = torch.randn_like(param)
@@ -265,10 +273,96 @@ def test_newton_schulz_dtype_and_params_keep_their_own(
     assert not torch.equal(param.detach(), start)
 
 
-def test_default_ns_dtype_is_bfloat16_off_cpu() -> None:
-    assert default_ns_dtype(torch.empty(4, 4, device="meta")) == torch.bfloat16
-    assert default_ns_dtype(torch.empty(4, 4, device="meta", dtype=torch.float64)) == torch.bfloat16
-    assert default_ns_dtype(torch.empty(4, 4)) == torch.float32
+def test_default_ns_dtype_is_the_fastest_the_device_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    for native_bf16, on_cpu in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(muon_module, "cpu_has_native_bf16", lambda n=native_bf16: n)
+        assert default_ns_dtype(torch.empty(4, 4)) == on_cpu
+        assert default_ns_dtype(torch.empty(4, 4, dtype=torch.bfloat16)) == on_cpu
+        assert default_ns_dtype(torch.empty(4, 4, device="meta")) == torch.bfloat16
+        for device in ("cpu", "meta"):
+            float64 = torch.empty(4, 4, device=device, dtype=torch.float64)
+            assert default_ns_dtype(float64) == torch.float64
+
+
+# -- Gram Newton-Schulz ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("coefficients", [*sorted(COEFFICIENT_SETS), "per-step triples"])
+@pytest.mark.parametrize("shape", [(3, 16, 64), (2, 96, 24), (40, 40)])
+def test_gram_equals_standard_within_1e_3_in_fp32(
+    coefficients: str, shape: tuple[int, ...]
+) -> None:
+    spec: Any = coefficients
+    if coefficients == "per-step triples":
+        spec = [(4.0, -4.5, 1.8), (3.4445, -4.7750, 2.0315), (2.0, -1.5, 0.5)]
+    steps = 12 if coefficients == "cubic" else 5
+    triples = resolve_coefficients(spec, steps)
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    standard = newton_schulz(g, triples, method="standard")
+    gram = newton_schulz(g, triples, method="gram")
+    assert gram.shape == g.shape and gram.dtype == torch.float32
+    reference = torch.stack(
+        [reference_orthogonalize(m, triples, 1e-7) for m in g.double().reshape(-1, *shape[-2:])]
+    ).reshape(shape)
+    assert (gram.double() - standard.double()).norm() <= 1e-3 * standard.double().norm()
+    assert (gram.double() - reference).norm() <= 1e-5 * reference.norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gram_is_stable_in_half_precision(dtype: torch.dtype) -> None:
+    g = torch.randn(4, 32, 160, generator=torch.Generator().manual_seed(2))
+    for name in ("keller", "polar_express"):
+        triples = resolve_coefficients(name, 8)
+        reference = newton_schulz(g.double(), triples, method="standard")
+        gram = newton_schulz(g, triples, dtype=dtype, method="gram")
+        standard = newton_schulz(g, triples, dtype=dtype, method="standard")
+        assert gram.dtype == dtype and torch.isfinite(gram).all()
+        err_gram = (gram.double() - reference).norm() / reference.norm()
+        err_standard = (standard.double() - reference).norm() / reference.norm()
+        assert err_gram < max(4 * err_standard, 1e-2), (name, err_gram, err_standard)
+
+
+def test_auto_takes_gram_from_the_measured_aspect_ratio() -> None:
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    threshold = GRAM_MIN_ASPECT["cpu"]
+    assert resolve_ns_method("auto", 256, int(256 * threshold), cpu) == "gram"
+    assert resolve_ns_method("auto", int(256 * threshold), 256, cpu) == "gram"  # tall too
+    assert resolve_ns_method("auto", 256, int(256 * threshold) - 1, cpu) == "standard"
+    assert resolve_ns_method("auto", 64, 64, meta) == "standard"
+    assert resolve_ns_method("standard", 8, 800, cpu) == "standard"
+    assert resolve_ns_method("gram", 8, 8, cpu) == "gram"
+    with pytest.raises(ValueError, match=r"Unknown ns_method 'grma'.*Did you mean 'gram'"):
+        resolve_ns_method("grma", 8, 8, cpu)
+    with pytest.raises(ValueError, match="ns_method"):
+        Muon([torch.nn.Parameter(torch.randn(4, 4))], ns_method="fast")
+
+
+def test_muon_with_gram_matches_standard_per_head_and_batched() -> None:
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(64, 16), (3, 8, 40), (32, 8)]  # tall, an expert stack, and a q-projection
+    standard = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
+    params = {
+        "standard": standard,
+        "gram": [torch.nn.Parameter(p.detach().clone()) for p in standard],
+    }
+    opts = {
+        m: Muon([{"params": ps[:2]}, {"params": ps[2:], "head_dim": 4}], lr=0.02, ns_method=m)
+        for m, ps in params.items()
+    }
+    for _ in range(3):
+        for p, q in zip(params["standard"], params["gram"], strict=True):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        for opt in opts.values():
+            opt.step()
+    for p, q in zip(params["standard"], params["gram"], strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
+    assert all(g["ns_method"] == "gram" for g in opts["gram"].param_groups)
+
+
+def test_batched_gram_refuses_an_unknown_method_before_any_work() -> None:
+    with pytest.raises(ValueError, match="Unknown ns_method"):
+        newton_schulz_batched([torch.randn(4, 8)], resolve_coefficients("keller", 5), method="x")
 
 
 # -- coefficient sets ----------------------------------------------------------
@@ -580,3 +674,30 @@ def test_newton_schulz_refuses_autograd_and_says_how_to_call_it() -> None:
     with torch.no_grad():
         under_no_grad = ns.newton_schulz(x, coefficients)
     torch.testing.assert_close(ns.newton_schulz(x.detach(), coefficients), under_no_grad)
+
+
+def _gram_on_fsdp_owners(rank: int, world_size: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyper_parallel import fully_shard
+
+    torch.manual_seed(0)
+    one = torch.nn.Sequential(
+        torch.nn.Linear(16, 64, bias=False), torch.nn.Linear(64, 16, bias=False)
+    )
+    sharded = fully_shard(copy.deepcopy(one), mesh=init_device_mesh("cpu", (world_size,)))
+    opts = [Muon(m.parameters(), lr=0.02, ns_method="gram") for m in (one, sharded)]
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for model, opt in zip((one, sharded), opts, strict=True):
+            model(x).square().mean().backward()  # every rank the same batch
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(one.parameters(), sharded.parameters(), strict=True):
+        torch.testing.assert_close(q.full_tensor(), p.detach(), rtol=0, atol=1e-6)
+
+
+def test_gram_on_the_distributed_owner_path_equals_one_process() -> None:
+    from distributed import run_distributed
+
+    run_distributed(_gram_on_fsdp_owners, world_size=2)

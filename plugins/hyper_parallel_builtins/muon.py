@@ -19,6 +19,7 @@ from torch.optim.optimizer import ParamsT
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
+from hyper_parallel.core._torch_private import cpu_has_native_bf16
 from hyper_parallel.core.distributed import Need, RowBlocks, WholeMatrices
 from hyper_parallel.core.distributed.toolkit import local_tensor
 from hyper_parallel.core.errors import HyperParallelValueError
@@ -33,6 +34,7 @@ from hyper_parallel_builtins.newton_schulz import (
     CoefficientSpec,
     newton_schulz_batched,
     resolve_coefficients,
+    resolve_ns_method,
 )
 
 __all__ = [
@@ -57,6 +59,7 @@ _MATCH_RMS_ADAMW_TARGET = 0.2  # torch's "match_rms_adamw" (Moonlight's 0.2)
 _EXTRA_DEFAULTS: Mapping[str, Any] = {
     "matched_adamw_rms": None,
     "ns_dtype": None,
+    "ns_method": "auto",
     "matrix_view": "auto",
     "sharding": None,
     "head_dim": None,
@@ -91,17 +94,21 @@ def matrix_shape(shape: torch.Size | tuple[int, ...], matrix_view: str) -> tuple
 
 
 def default_ns_dtype(param: Tensor) -> torch.dtype:
-    """The Newton-Schulz dtype used for ``param`` when ``ns_dtype=None``.
+    """The Newton-Schulz dtype used for ``param`` when ``ns_dtype=None``: the fastest here.
 
-    bfloat16 on an accelerator (CUDA, NPU, anything not a CPU), where bf16
-    matmuls run at several times the fp32 rate; float32 on a CPU (float64 for
-    a float64 param), where bf16 is often far slower than fp32 (CPUs without
-    native bf16 matmul emulate it) and, where it is fast, still loses
-    precision the CPU does not need to lose. Pass ``ns_dtype`` to choose.
+    * float64 for a float64 param, anywhere;
+    * bfloat16 on an accelerator (CUDA, NPU, anything not a CPU);
+    * on a CPU, bfloat16 where it multiplies bf16 in hardware (AVX512-BF16
+      or AMX-BF16), float32 otherwise: without them torch emulates bf16
+      matmul, about 30x slower than fp32 (figures in the benchmarks page).
+
+    Pass ``ns_dtype`` to choose.
     """
-    if param.device.type != "cpu":
+    if param.dtype == torch.float64:
+        return torch.float64
+    if param.device.type != "cpu" or cpu_has_native_bf16():
         return torch.bfloat16
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
+    return torch.float32
 
 
 def _validate_options(options: dict[str, Any]) -> None:
@@ -147,6 +154,7 @@ def _validate_options(options: dict[str, Any]) -> None:
         raise HyperParallelValueError(
             f"ns_dtype should be a floating-point torch.dtype or None, got {ns_dtype!r}."
         )
+    resolve_ns_method(options["ns_method"], 1, 1, torch.device("cpu"))  # a known name
     sharding = options["sharding"]
     if sharding is not None and not isinstance(sharding, str):
         raise HyperParallelValueError(
@@ -267,7 +275,8 @@ class Muon(MatrixOptimizer):
     which makes the update's RMS about that of AdamW's so AdamW's lr and
     weight decay carry over. This is :class:`torch.optim.Muon`'s update; code
     written for it runs unchanged. (torch always runs Newton-Schulz in
-    bfloat16; ``ns_dtype=torch.bfloat16`` reproduces it on a CPU.)
+    bfloat16 and iterates on ``X``; ``ns_dtype=torch.bfloat16, ns_method="standard"``
+    reproduces it on a CPU.)
 
     Params with fewer than 2 dims are refused: give them to AdamW
     (``get_hyper_optimizer`` does so). Params of more dims are read as
@@ -298,9 +307,18 @@ class Muon(MatrixOptimizer):
         matched_adamw_rms: RMS target :math:`r` of the update, Moonlight
             style; ``0.2`` is ``adjust_lr_fn="match_rms_adamw"``. Cannot be
             combined with ``adjust_lr_fn="original"``.
-        ns_dtype: dtype Newton-Schulz runs in. ``None``: bfloat16 for params
-            on an accelerator, float32 on CPU (float64 for float64 params).
-            Params and momentum buffers keep their own dtype.
+        ns_dtype: dtype Newton-Schulz runs in. ``None``: the fastest on the
+            device (:func:`default_ns_dtype`): bfloat16 on an accelerator
+            and on a CPU with native bf16 matmul, float32 on other CPUs,
+            float64 for float64 params. Params and momentum buffers keep
+            their own dtype.
+        ns_method: ``"standard"`` iterates on ``X``; ``"gram"`` iterates
+            on the small Gram matrix ``X X^T`` and touches ``X`` only at a
+            restart and at the end, fewer FLOPs for a matrix several times
+            longer than wide (MLP projections, experts), the same result up
+            to rounding; ``"auto"`` takes Gram from the aspect ratio measured
+            to pay off on the device
+            (:data:`~hyper_parallel_builtins.newton_schulz.GRAM_MIN_ASPECT`).
         matrix_view: How params with more than 2 dims become matrices:
             ``"auto"`` (3-D ``(E, m, n)`` is a stack of ``E`` expert matrices,
             4-D and more is flattened to ``(out, -1)``), ``"flatten"``
@@ -352,6 +370,7 @@ class Muon(MatrixOptimizer):
         *,
         matched_adamw_rms: float | None = None,
         ns_dtype: torch.dtype | None = None,
+        ns_method: str = "auto",
         matrix_view: str = "auto",
         sharding: str | None = None,
         head_dim: int | None = None,
@@ -368,6 +387,7 @@ class Muon(MatrixOptimizer):
             "adjust_lr_fn": adjust_lr_fn,
             "matched_adamw_rms": matched_adamw_rms,
             "ns_dtype": ns_dtype,
+            "ns_method": ns_method,
             "matrix_view": matrix_view,
             "sharding": sharding,
             "head_dim": head_dim,
@@ -428,7 +448,9 @@ class Muon(MatrixOptimizer):
         out: list[Tensor | None] = [None] * len(updates)
         for (_, dtype, rows, cols), indices in buckets.items():
             matrices = [updates[i].reshape(-1, rows, cols) for i in indices]
-            results = newton_schulz_batched(matrices, coefficients, eps=group["eps"], dtype=dtype)
+            results = newton_schulz_batched(
+                matrices, coefficients, eps=group["eps"], dtype=dtype, method=group["ns_method"]
+            )
             scale = lr_scale(rows, cols, group)
             for i, result in zip(indices, results, strict=True):
                 out[i] = result.reshape(updates[i].shape).to(updates[i].dtype).mul_(scale)

@@ -28,8 +28,12 @@ from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelV
 
 __all__ = [
     "COEFFICIENT_SETS",
+    "GRAM_MIN_ASPECT",
+    "GRAM_MIN_ASPECT_DEFAULT",
+    "GRAM_RESTARTS",
     "KELLER_COEFFICIENTS",
     "MAX_NS_STEPS",
+    "NS_METHODS",
     "PER_MATRIX_FROM",
     "SYMMETRIC_BLOCK_ROWS",
     "CoefficientSpec",
@@ -37,6 +41,7 @@ __all__ = [
     "newton_schulz",
     "newton_schulz_batched",
     "resolve_coefficients",
+    "resolve_ns_method",
 ]
 
 Coefficients: TypeAlias = tuple[float, float, float]
@@ -264,12 +269,98 @@ def _iterate_one(
         current, nxt = nxt, current
 
 
+#: The ways to run the iteration (``method`` of :func:`newton_schulz_batched`).
+NS_METHODS = ("standard", "gram")
+
+#: ``ns_method="auto"`` picks Gram Newton-Schulz for a matrix whose long side
+#: is at least this many times its short side, by device type. Measured on a
+#: 2-core AVX2 CPU, fp32, 5 Keller steps, 6 matrices per call, Gram time over
+#: standard time: 1.04 at aspect 2 (512 x 1024), 0.82-0.87 at 2.7
+#: (256 x 690, 384 x 1024), 0.74 at 3.5, 0.73 at 4 and 0.53 at 8
+#: (256 x 2048). Elsewhere (not measured) the FLOP count decides: Gram does
+#: fewer FLOPs from aspect 2 on, and the margin is taken as on the CPU.
+GRAM_MIN_ASPECT: Mapping[str, float] = MappingProxyType({"cpu": 2.5})
+
+#: :data:`GRAM_MIN_ASPECT` for device types it does not list.
+GRAM_MIN_ASPECT_DEFAULT = 2.5
+
+
+def resolve_ns_method(method: str, rows: int, cols: int, device: torch.device) -> str:
+    """``"standard"`` or ``"gram"`` for a ``rows x cols`` matrix on ``device``.
+
+    ``method`` is one of :data:`NS_METHODS` (returned as is) or ``"auto"``:
+    Gram from :data:`GRAM_MIN_ASPECT` of the device type on.
+
+    Raises:
+        ValueError: an unknown ``method``.
+    """
+    if method in NS_METHODS:
+        return method
+    if method != "auto":
+        choices = ("auto", *NS_METHODS)
+        raise HyperParallelValueError(
+            f"Unknown ns_method {method!r}. Use one of {', '.join(map(repr, choices))}."
+            f"{did_you_mean(str(method), choices)}"
+        )
+    threshold = GRAM_MIN_ASPECT.get(device.type, GRAM_MIN_ASPECT_DEFAULT)
+    return "gram" if max(rows, cols) >= threshold * min(rows, cols) else "standard"
+
+
+#: Gram iterations restart (rebuild ``X`` and its Gram matrix from the long
+#: side) before these iteration indices. One before the third iteration keeps
+#: fp32, bf16 and fp16 stable under every coefficient set: the early steps
+#: grow the small singular values fastest, and with them the round-off that
+#: ``R = Q R Q`` accumulates.
+GRAM_RESTARTS = (2,)
+
+
+def _iterate_gram_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Tensor:
+    """:func:`_iterate_` on the Gram matrix: the long side is touched only at restarts.
+
+    Every step multiplies ``X`` on the left by ``P = a I + b R + c R^2`` with
+    ``R = X X^T``, so after ``k`` steps ``X_k = Q X_0`` for a ``rows x rows``
+    matrix ``Q``, and ``R_{k+1} = P R_k P``. This iterates ``Q`` and ``R``
+    and forms ``Q X_0`` only at the restarts (:data:`GRAM_RESTARTS`) and at
+    the end. A standard step costs ``4 rows^2 cols + 2 rows^3`` FLOPs; a Gram
+    step ``8 rows^3`` (less on the first step after a restart, where ``Q`` is
+    the identity, and on the last, which needs no new ``R``), and a restart
+    ``4 rows^2 cols``. The polynomial applied is the same, so the result
+    equals :func:`_iterate_`'s up to rounding.
+    """
+    x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps))
+    gram = torch.bmm(x, x.mT)
+    poly, q, spare = torch.empty_like(gram), torch.empty_like(gram), torch.empty_like(gram)
+    identity = True  # q is the identity (not stored): no step need multiply by it
+    last = len(coefficients) - 1
+    for step, (a, b, c) in enumerate(coefficients):
+        if step in GRAM_RESTARTS and not identity:
+            x = torch.bmm(q, x)
+            torch.bmm(x, x.mT, out=gram)
+            identity = True
+        if c:
+            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        else:
+            torch.mul(gram, b, out=poly)
+        poly.diagonal(dim1=-2, dim2=-1).add_(a)
+        if identity:
+            q.copy_(poly)
+            identity = False
+        else:
+            torch.bmm(poly, q, out=spare)
+            q, spare = spare, q
+        if step < last:
+            torch.bmm(gram, poly, out=spare)
+            torch.bmm(poly, spare, out=gram)
+    return x if identity else torch.bmm(q, x)
+
+
 def newton_schulz_batched(
     matrices: Sequence[Tensor],
     coefficients: Sequence[Coefficients],
     *,
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
+    method: str = "standard",
 ) -> list[Tensor]:
     """Orthogonalize same-shape matrices in one batched iteration.
 
@@ -288,14 +379,17 @@ def newton_schulz_batched(
         eps: Lower bound on the norm divided by, so a zero matrix stays zero.
         dtype: The dtype to iterate and return in; default the first
             matrix's.
+        method: ``"standard"``, ``"gram"`` (iterate on the Gram matrix,
+            fewer FLOPs for matrices several times longer than wide; see
+            :func:`_iterate_gram_`), or ``"auto"`` (:func:`resolve_ns_method`).
 
     Returns:
         One tensor per input, same shape, in ``dtype``. They are views into
         one result stack.
 
     Raises:
-        ValueError: matrices of different shapes or devices, or fewer than
-            2 dims.
+        ValueError: matrices of different shapes or devices, fewer than 2
+            dims, or an unknown ``method``.
         RuntimeError: a matrix requires grad while grad mode is on: the
             iteration works in place on its buffers and is not
             differentiable.
@@ -330,7 +424,10 @@ def newton_schulz_batched(
     for stack, count in zip(stacks, counts, strict=True):
         x[start : start + count].copy_(stack.mT if tall else stack)
         start += count
-    result = _iterate_(x, coefficients, eps)
+    if resolve_ns_method(method, rows, cols, first.device) == "gram":
+        result = _iterate_gram_(x, coefficients, eps)
+    else:
+        result = _iterate_(x, coefficients, eps)
     if tall:
         result = result.mT
     out: list[Tensor] = []
@@ -347,6 +444,7 @@ def newton_schulz(
     *,
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
+    method: str = "standard",
 ) -> Tensor:
     """Orthogonalize ``matrix`` (shape ``(..., m, n)``); see :func:`newton_schulz_batched`.
 
@@ -356,4 +454,4 @@ def newton_schulz(
         >>> torch.allclose(o.mT @ o, torch.eye(32), atol=1e-4)
         True
     """
-    return newton_schulz_batched([matrix], coefficients, eps=eps, dtype=dtype)[0]
+    return newton_schulz_batched([matrix], coefficients, eps=eps, dtype=dtype, method=method)[0]
