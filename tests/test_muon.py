@@ -19,7 +19,9 @@ from hyper_parallel_builtins.muon import Muon, default_ns_dtype
 from hyper_parallel_builtins.newton_schulz import (
     COEFFICIENT_SETS,
     GRAM_MIN_ASPECT,
+    GRAM_MIN_ASPECT_CPU_LARGE,
     KELLER_COEFFICIENTS,
+    PER_MATRIX_FROM,
     newton_schulz,
     newton_schulz_batched,
     resolve_coefficients,
@@ -329,6 +331,9 @@ def test_auto_takes_gram_from_the_measured_aspect_ratio() -> None:
     assert resolve_ns_method("auto", int(256 * threshold), 256, cpu) == "gram"  # tall too
     assert resolve_ns_method("auto", 256, int(256 * threshold) - 1, cpu) == "standard"
     assert resolve_ns_method("auto", 64, 64, meta) == "standard"
+    large = PER_MATRIX_FROM  # where the CPU's standard iteration halves its symmetric products
+    assert resolve_ns_method("auto", large, int(large * threshold), cpu) == "standard"
+    assert resolve_ns_method("auto", large, int(large * GRAM_MIN_ASPECT_CPU_LARGE), cpu) == "gram"
     assert resolve_ns_method("standard", 8, 800, cpu) == "standard"
     assert resolve_ns_method("gram", 8, 8, cpu) == "gram"
     with pytest.raises(ValueError, match=r"Unknown ns_method 'grma'.*Did you mean 'gram'"):

@@ -28,9 +28,11 @@ from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelV
 
 __all__ = [
     "COEFFICIENT_SETS",
+    "GRAM_FIRST_RESTART",
     "GRAM_MIN_ASPECT",
+    "GRAM_MIN_ASPECT_CPU_LARGE",
     "GRAM_MIN_ASPECT_DEFAULT",
-    "GRAM_RESTARTS",
+    "GRAM_RESTART_EVERY",
     "KELLER_COEFFICIENTS",
     "MAX_NS_STEPS",
     "NS_METHODS",
@@ -214,6 +216,13 @@ def _iterate_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Te
     result is ``x`` itself or one other stack of its shape. The Gram and
     polynomial buffers are allocated once, not per iteration: fresh large
     tensors cost page faults on CPU (5-10% of the iteration at d=512).
+
+    Every product is written ``A @ B.mT`` or ``A.mT @ B``, using that the Gram
+    matrix and the polynomial are symmetric: CPU BLAS picks faster kernels for
+    these layouts than for ``A @ B``. On a 2-core AVX2 CPU, 8 matrices of
+    256 x 256: bf16 (emulated there) 11-15 GFLOP/s against 1.3, fp32 116-120
+    against 86; the whole iteration in bf16 took 0.69 s against 6.4 s for
+    8 matrices of 256 x 1024.
     """
     # The Gram matrix is rows x rows, so rows <= cols keeps it the small one.
     x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps))
@@ -236,8 +245,8 @@ def _iterate_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Te
             if c == 0.0:
                 torch.mul(gram, b, out=poly)
             else:
-                torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
-            torch.baddbmm(current, poly, current, beta=a, out=nxt)
+                torch.baddbmm(gram, gram, gram.mT, beta=b, alpha=c, out=poly)
+            torch.baddbmm(current, poly.mT, current, beta=a, out=nxt)
             current, nxt = nxt, current
     # Every matrix took the same number of steps, so all results are in one stack.
     return spare if len(coefficients) % 2 else x
@@ -265,7 +274,7 @@ def _iterate_one(
         else:
             # gram is symmetric, so gram @ gram == gram @ gram.T
             _symmetric_product(poly, gram, add_to=gram, beta=b, alpha=c)
-        torch.addmm(current, poly, current, beta=a, out=nxt)
+        torch.addmm(current, poly.mT, current, beta=a, out=nxt)
         current, nxt = nxt, current
 
 
@@ -274,22 +283,30 @@ NS_METHODS = ("standard", "gram")
 
 #: ``ns_method="auto"`` picks Gram Newton-Schulz for a matrix whose long side
 #: is at least this many times its short side, by device type. Measured on a
-#: 2-core AVX2 CPU, fp32, 5 Keller steps, 6 matrices per call, Gram time over
-#: standard time: 1.04 at aspect 2 (512 x 1024), 0.82-0.87 at 2.7
-#: (256 x 690, 384 x 1024), 0.74 at 3.5, 0.73 at 4 and 0.53 at 8
-#: (256 x 2048). Elsewhere (not measured) the FLOP count decides: Gram does
-#: fewer FLOPs from aspect 2 on, and the margin is taken as on the CPU.
+#: 2-core AVX2 CPU, 5 Keller steps, Gram time over standard time, fp32:
+#: 0.89 at aspect 2.7 (6 x 256 x 690), 0.83 (8 x 512 x 1376), 0.75 at 3.5
+#: (8 x 384 x 1344), 0.77 at 4 (8 x 256 x 1024), 0.59 at 8 (4 x 256 x 2048);
+#: bf16: 0.91 at 2.7, 0.80 at 4. Elsewhere (not measured) the FLOP count
+#: decides: Gram does fewer FLOPs from aspect 2 on; the margin is the CPU's.
 GRAM_MIN_ASPECT: Mapping[str, float] = MappingProxyType({"cpu": 2.5})
 
 #: :data:`GRAM_MIN_ASPECT` for device types it does not list.
 GRAM_MIN_ASPECT_DEFAULT = 2.5
+
+#: On a CPU, from :data:`PER_MATRIX_FROM` rows on the standard iteration
+#: multiplies only half of each symmetric product, so Gram pays off later:
+#: fp32, 1.09x the standard time at aspect 2.7 (3 x 1024 x 2752), 0.79x at 4
+#: (2 x 768 x 3072), 0.49x at 4 (2 x 1024 x 4096).
+GRAM_MIN_ASPECT_CPU_LARGE = 3.5
 
 
 def resolve_ns_method(method: str, rows: int, cols: int, device: torch.device) -> str:
     """``"standard"`` or ``"gram"`` for a ``rows x cols`` matrix on ``device``.
 
     ``method`` is one of :data:`NS_METHODS` (returned as is) or ``"auto"``:
-    Gram from :data:`GRAM_MIN_ASPECT` of the device type on.
+    Gram from :data:`GRAM_MIN_ASPECT` of the device type on (on a CPU,
+    :data:`GRAM_MIN_ASPECT_CPU_LARGE` for matrices of
+    :data:`PER_MATRIX_FROM` rows or more).
 
     Raises:
         ValueError: an unknown ``method``.
@@ -302,16 +319,23 @@ def resolve_ns_method(method: str, rows: int, cols: int, device: torch.device) -
             f"Unknown ns_method {method!r}. Use one of {', '.join(map(repr, choices))}."
             f"{did_you_mean(str(method), choices)}"
         )
+    small = min(rows, cols)
     threshold = GRAM_MIN_ASPECT.get(device.type, GRAM_MIN_ASPECT_DEFAULT)
-    return "gram" if max(rows, cols) >= threshold * min(rows, cols) else "standard"
+    if device.type == "cpu" and small >= PER_MATRIX_FROM:
+        threshold = GRAM_MIN_ASPECT_CPU_LARGE
+    return "gram" if max(rows, cols) >= threshold * small else "standard"
 
 
 #: Gram iterations restart (rebuild ``X`` and its Gram matrix from the long
-#: side) before these iteration indices. One before the third iteration keeps
-#: fp32, bf16 and fp16 stable under every coefficient set: the early steps
-#: grow the small singular values fastest, and with them the round-off that
-#: ``R = Q R Q`` accumulates.
-GRAM_RESTARTS = (2,)
+#: side) before iteration ``GRAM_FIRST_RESTART`` and then every
+#: ``GRAM_RESTART_EVERY`` iterations: the early steps grow the small singular
+#: values fastest, and with them the round-off that ``R = P R P`` carries.
+#: With ``R`` made symmetric after each update this kept fp32, bf16 and fp16
+#: within 2-4x the standard iteration's error against fp64 (Keller and Polar
+#: Express, 5 to 12 steps); with one restart and no symmetrizing, Keller's
+#: 12 steps diverged even in fp32.
+GRAM_FIRST_RESTART = 2
+GRAM_RESTART_EVERY = 3
 
 
 def _iterate_gram_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Tensor:
@@ -320,8 +344,8 @@ def _iterate_gram_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) 
     Every step multiplies ``X`` on the left by ``P = a I + b R + c R^2`` with
     ``R = X X^T``, so after ``k`` steps ``X_k = Q X_0`` for a ``rows x rows``
     matrix ``Q``, and ``R_{k+1} = P R_k P``. This iterates ``Q`` and ``R``
-    and forms ``Q X_0`` only at the restarts (:data:`GRAM_RESTARTS`) and at
-    the end. A standard step costs ``4 rows^2 cols + 2 rows^3`` FLOPs; a Gram
+    and forms ``Q X_0`` only at the restarts (:data:`GRAM_FIRST_RESTART`) and
+    at the end. A standard step costs ``4 rows^2 cols + 2 rows^3`` FLOPs; a Gram
     step ``8 rows^3`` (less on the first step after a restart, where ``Q`` is
     the identity, and on the last, which needs no new ``R``), and a restart
     ``4 rows^2 cols``. The polynomial applied is the same, so the result
@@ -329,29 +353,36 @@ def _iterate_gram_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) 
     """
     x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps))
     gram = torch.bmm(x, x.mT)
-    poly, q, spare = torch.empty_like(gram), torch.empty_like(gram), torch.empty_like(gram)
-    identity = True  # q is the identity (not stored): no step need multiply by it
+    poly, q_t, spare = torch.empty_like(gram), torch.empty_like(gram), torch.empty_like(gram)
+    identity = True  # Q is the identity (not stored): no step need multiply by it
     last = len(coefficients) - 1
+    # Q is kept transposed (q_t), and every product is written A @ B.mT or A.mT @ B
+    # (R and P are symmetric): see _iterate_ for why.
     for step, (a, b, c) in enumerate(coefficients):
-        if step in GRAM_RESTARTS and not identity:
-            x = torch.bmm(q, x)
+        restart = (
+            step >= GRAM_FIRST_RESTART and (step - GRAM_FIRST_RESTART) % GRAM_RESTART_EVERY == 0
+        )
+        if restart and not identity:
+            x = torch.bmm(q_t.mT, x)
             torch.bmm(x, x.mT, out=gram)
             identity = True
         if c:
-            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+            torch.baddbmm(gram, gram, gram.mT, beta=b, alpha=c, out=poly)
         else:
             torch.mul(gram, b, out=poly)
         poly.diagonal(dim1=-2, dim2=-1).add_(a)
         if identity:
-            q.copy_(poly)
+            q_t.copy_(poly)
             identity = False
         else:
-            torch.bmm(poly, q, out=spare)
-            q, spare = spare, q
+            torch.bmm(q_t, poly.mT, out=spare)  # (P Q)^T = Q^T P
+            q_t, spare = spare, q_t
         if step < last:
-            torch.bmm(gram, poly, out=spare)
-            torch.bmm(poly, spare, out=gram)
-    return x if identity else torch.bmm(q, x)
+            torch.bmm(gram, poly.mT, out=spare)  # R P
+            torch.bmm(spare.mT, poly, out=gram)  # (R P)^T P = P R P
+            torch.add(gram, gram.mT, out=spare).mul_(0.5)  # symmetric, as P R P is
+            gram, spare = spare, gram
+    return x if identity else torch.bmm(q_t.mT, x)
 
 
 def newton_schulz_batched(
