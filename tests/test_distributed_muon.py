@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -15,6 +18,37 @@ from hyper_parallel.core.distributed.toolkit import assign_owners, exchange_roun
 from hyper_parallel.core.optimizer import get_hyper_optimizer
 
 STEPS = 5
+
+
+@contextmanager
+def exchange_options(*, overlap: bool) -> Iterator[None]:
+    """Backends made in the block overlap the exchange or not, with one matrix per bucket and owner.
+
+    The default floor on bucket size makes a small model's exchange one
+    bucket; lifting it gives the pipeline several buckets to overlap. Plans
+    are made at the first step, so train inside the block too.
+    """
+    import hyper_parallel_builtins.fsdp_backend as fsdp_backend
+
+    floor, switch = fsdp_backend.MIN_BUCKET_BYTES, os.environ.get(fsdp_backend.OVERLAP_ENV)
+    fsdp_backend.MIN_BUCKET_BYTES = 1
+    os.environ[fsdp_backend.OVERLAP_ENV] = "1" if overlap else "0"
+    try:
+        yield
+    finally:
+        fsdp_backend.MIN_BUCKET_BYTES = floor
+        if switch is None:
+            del os.environ[fsdp_backend.OVERLAP_ENV]
+        else:
+            os.environ[fsdp_backend.OVERLAP_ENV] = switch
+
+
+def assert_bitwise_equal(model: torch.nn.Module, other: torch.nn.Module, label: str) -> None:
+    """Every param of ``model`` holds bitwise the values of ``other``'s (local shards)."""
+    for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
+        mine = p.to_local() if hasattr(p, "to_local") else p
+        theirs = q.to_local() if hasattr(q, "to_local") else q
+        assert torch.equal(mine, theirs), f"{label}: {name} differs"
 
 
 def _ns_flops(rows: int, cols: int) -> float:
@@ -36,6 +70,22 @@ def test_owner_assignment_balances_newton_schulz_flops(world_size: int) -> None:
     assert max(loads) <= 1.25 * mean, (loads, mean)
     assert set(owners) == set(range(world_size))
     assert assign_owners(costs, world_size) == owners  # every rank computes the same
+
+
+def test_overlap_switch_is_read_when_the_backend_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyper_parallel_builtins.fsdp_backend import OVERLAP_ENV, FSDPBackend, HSDPBackend
+
+    monkeypatch.delenv(OVERLAP_ENV, raising=False)
+    assert FSDPBackend().overlap and not FSDPBackend(overlap=False).overlap
+    for value, expected in (("0", False), ("off", False), ("1", True), ("TRUE", True)):
+        monkeypatch.setenv(OVERLAP_ENV, value)
+        assert HSDPBackend().overlap is expected, value
+        assert FSDPBackend(overlap=not expected).overlap is not expected  # the argument wins
+    monkeypatch.setenv(OVERLAP_ENV, "2")
+    with pytest.raises(ValueError, match=rf"{OVERLAP_ENV}='2' is not a switch: set it to 1"):
+        FSDPBackend()
+    with pytest.raises(ValueError, match=r"overlap should be True or False, got 'yes'"):
+        FSDPBackend(overlap="yes")  # type: ignore[arg-type]
 
 
 def test_exchange_rounds_give_every_owner_work() -> None:
@@ -83,23 +133,33 @@ def _state_bytes(optimizer: Any) -> dict[str, int]:
     return out
 
 
-def _check_against_one_process(mesh: Any, rows: slice, label: str) -> None:
+def _sharded_copy(reference: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    # No k/q/v biases: k_proj.bias gets a mathematically zero gradient (softmax ignores a
-    # per-query shift), and AdamW would blow its rounding noise up to lr-sized steps.
-    reference = TinyLM(qkv_bias=False)
     model = copy.deepcopy(reference)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def _check_against_one_process(mesh: Any, rows: slice, label: str) -> None:
+    torch.manual_seed(0)
+    # No k/q/v biases: k_proj.bias gets a mathematically zero gradient (softmax ignores a
+    # per-query shift), and AdamW would blow its rounding noise up to lr-sized steps.
+    reference = TinyLM(qkv_bias=False)
+    model = _sharded_copy(reference, mesh)
+    in_turn = _sharded_copy(reference, mesh)
 
     ref_opt = _optimizer(reference)
-    opt = _optimizer(model)
     batch = _batch()
     _train(reference, ref_opt, batch)
-    _train(model, opt, batch[rows])
+    with exchange_options(overlap=True):
+        opt = _optimizer(model)
+        _train(model, opt, batch[rows])
+    with exchange_options(overlap=False):
+        _train(in_turn, _optimizer(in_turn), batch[rows])
+    assert_bitwise_equal(model, in_turn, f"{label}: with and without overlap")
 
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(
@@ -160,6 +220,43 @@ def _work_is_spread(rank: int, world_size: int) -> None:
     partial = DTensor.from_local(torch.ones(3, 3), mesh, [Partial()])
     with pytest.raises(ValueError, match=r"a Partial value is not a matrix yet"):
         FSDPBackend().map_blocks(lambda ts: ts, [partial], [WholeMatrices()])
+
+    overlapped = _exchange_order(model, overlap=True)
+    in_turn = _exchange_order(model, overlap=False)
+    exchanges = overlapped.count("exchange")
+    assert exchanges > 2 and exchanges == in_turn.count("exchange"), (overlapped, in_turn)
+    # the second bucket is on its way before the first one computes; without overlap
+    # each bucket's two exchanges come before the next bucket's
+    assert overlapped[:2] == ["exchange", "exchange"], overlapped
+    assert in_turn[:2] == ["exchange", "compute"], in_turn
+    assert overlapped.count("compute") == in_turn.count("compute")
+
+
+def _exchange_order(model: torch.nn.Module, *, overlap: bool) -> list[str]:
+    """The order of this rank's exchanges and Newton-Schulz calls in one Muon step."""
+    import hyper_parallel_builtins.muon as muon_module
+    from hyper_parallel.core.optimizer import Muon
+
+    events: list[str] = []
+    exchange, compute = dist.all_to_all_single, muon_module.newton_schulz_batched
+
+    def exchanging(*args: Any, **kwargs: Any) -> Any:
+        events.append("exchange")
+        return exchange(*args, **kwargs)
+
+    def computing(*args: Any, **kwargs: Any) -> Any:
+        events.append("compute")
+        return compute(*args, **kwargs)
+
+    matrices = [p for p in model.parameters() if p.ndim == 2 and p.grad is not None]
+    with exchange_options(overlap=overlap):
+        opt = Muon(matrices, lr=0.02)
+        dist.all_to_all_single, muon_module.newton_schulz_batched = exchanging, computing  # type: ignore[assignment]
+        try:
+            opt.step()
+        finally:
+            dist.all_to_all_single, muon_module.newton_schulz_batched = exchange, compute  # type: ignore[assignment]
+    return events
 
 
 def test_fsdp_two_ranks_equals_one_process() -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
+from test_distributed_muon import assert_bitwise_equal, exchange_options
 from torch import nn
 
 from conftest import RMSNorm, counting_newton_schulz, lm_loss
@@ -167,16 +168,30 @@ def _fsdp(rank: int, world_size: int) -> None:
 
     torch.manual_seed(0)
     reference = HeadsLM()
-    model = copy.deepcopy(reference)
-    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    mesh = init_device_mesh("cpu", (world_size,))
+    model, overlapped, in_turn = (fully_shard(copy.deepcopy(reference), mesh=mesh) for _ in "abc")
     per_rank = 4 // world_size
+    batch = _batch()[rank * per_rank : (rank + 1) * per_rank]
     _train(reference, _optimizer(reference), _batch())
-    _train(model, _optimizer(model), _batch()[rank * per_rank : (rank + 1) * per_rank])
+    _train(model, _optimizer(model), batch)
     _assert_equal_to_one_process(model, reference, f"fsdp x{world_size}")
+    _overlap_changes_no_bit(overlapped, in_turn, batch, reference, f"fsdp x{world_size}")
     if world_size == 4:
         _nothing_param_sized_moves(model)
     else:
         _a_layout_no_backend_takes_is_named()
+
+
+def _overlap_changes_no_bit(
+    overlapped: nn.Module, in_turn: nn.Module, batch: torch.Tensor, reference: nn.Module, label: str
+) -> None:
+    """Training with the exchange in several buckets, overlapped or not, gives the same bits."""
+    with exchange_options(overlap=True):
+        _train(overlapped, _optimizer(overlapped), batch)
+    with exchange_options(overlap=False):
+        _train(in_turn, _optimizer(in_turn), batch)
+    assert_bitwise_equal(overlapped, in_turn, f"{label}: with and without overlap")
+    _assert_equal_to_one_process(overlapped, reference, f"{label}, small buckets")
 
 
 def _a_layout_no_backend_takes_is_named() -> None:
@@ -262,16 +277,19 @@ def _fsdp_x_tp(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     reference = HeadsLM()
-    model = copy.deepcopy(reference)
-    _tensor_parallel(model, mesh["tp"])
-    fully_shard(model, mesh=mesh["dp"])
+    model, overlapped, in_turn = (copy.deepcopy(reference) for _ in "abc")
+    for copied in (model, overlapped, in_turn):
+        _tensor_parallel(copied, mesh["tp"])
+        fully_shard(copied, mesh=mesh["dp"])
     dp = mesh.get_local_rank("dp")
+    batch = _batch()[dp * 2 : dp * 2 + 2]
 
     with counting_newton_schulz() as one_process:
         _train(reference, _optimizer(reference), _batch())
     with counting_newton_schulz() as sharded:
-        _train(model, _optimizer(model), _batch()[dp * 2 : dp * 2 + 2])
+        _train(model, _optimizer(model), batch)
     _assert_equal_to_one_process(model, reference, "fsdp x tp")
+    _overlap_changes_no_bit(overlapped, in_turn, batch, reference, "fsdp x tp")
 
     counts: list[int] = [0] * world_size
     dist.all_gather_object(counts, sum(sharded))

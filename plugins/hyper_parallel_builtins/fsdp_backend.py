@@ -14,20 +14,31 @@ Who computes what, for each param a matrix optimizer hands over:
   they are. Nothing moves.
 * **Owner exchange.** Every other param gets one owner rank, chosen
   greedily by cost so the work is balanced over every rank of the mesh
-  (replicas included). In rounds of bounded size, one ``all_to_all_single``
+  (replicas included). The owned params are taken in buckets, each giving
+  every owner a share of its work: per bucket, one ``all_to_all_single``
   brings each distinct piece of a param to its owner (one holder sends each
   piece, the owner itself where it holds one); the owner assembles the
-  whole tensor, runs the transform on all it owns in one call, and a second
-  ``all_to_all_single`` returns to every rank its own piece of the result.
+  whole tensors, runs the transform on all it owns in the bucket in one
+  call, and a second ``all_to_all_single`` returns to every rank its own
+  piece of the result.
 
-The plan (every rank's layout, who owns and who sends what) depends only on
-the params' shapes and placements; it is made once, with one collective,
-and reused every step.
+**Overlap** (the default): the collectives are asynchronous. The first
+bucket is sent before the in-place blocks are transformed, and the next
+bucket travels while the current one computes, while the results of the
+one before travel back. Without overlap (``FSDPBackend(overlap=False)`` or
+``HYPER_PARALLEL_EXCHANGE_OVERLAP=0``) every exchange is waited for as soon
+as it is started. Both run the same plan and call the transform on the same
+tensors, so their results are bitwise equal.
+
+The plan (every rank's layout, who owns and who sends what, the buckets)
+depends only on the params' shapes and placements; it is made once, with
+one collective, and reused every step.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -39,8 +50,8 @@ from torch import nn
 from hyper_parallel import hookimpl
 from hyper_parallel.core.distributed import BlocksFn, Need, RowBlocks, ShardingBackend
 from hyper_parallel.core.distributed.toolkit import (
+    DEFAULT_BUCKET_BYTES,
     Layout,
-    all_to_all,
     assign_owners,
     blocks_in_place,
     check_not_partial,
@@ -60,7 +71,37 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-__all__ = ["FSDPBackend", "HSDPBackend"]
+__all__ = ["MIN_BUCKET_BYTES", "OVERLAP_BUCKETS", "OVERLAP_ENV", "FSDPBackend", "HSDPBackend"]
+
+#: Environment variable read when a backend is made without ``overlap``: ``1`` (the
+#: default when unset) overlaps the owner exchange with the transform, ``0`` does not.
+OVERLAP_ENV = "HYPER_PARALLEL_EXCHANGE_OVERLAP"
+
+_OVERLAP_VALUES = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+
+#: Buckets the owner exchange is cut into, each giving every owner about this share of
+#: its work: the first bucket's trip to its owners and the last one's trip back are what
+#: overlap cannot hide. A bucket holds at least ``MIN_BUCKET_BYTES`` (each exchange has
+#: a fixed cost, about 0.5 ms with gloo) and at most a quarter of ``DEFAULT_BUCKET_BYTES``
+#: per owner (up to three buckets are in flight at once).
+OVERLAP_BUCKETS = 4
+
+#: Fewest bytes of whole tensors per owner in a bucket (a smaller total is one bucket).
+MIN_BUCKET_BYTES = 1024 * 1024
+
+
+def _overlap_from_env() -> bool:
+    value = os.environ.get(OVERLAP_ENV, "").strip()
+    if not value:
+        return True
+    try:
+        return _OVERLAP_VALUES[value.lower()]
+    except KeyError:
+        raise HyperParallelValueError(
+            f"{OVERLAP_ENV}={value!r} is not a switch: set it to 1 (overlap the owner "
+            "exchange with the transform, the default) or 0 (wait for each exchange at once); "
+            "true/false and on/off are accepted too."
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -82,6 +123,28 @@ class _Owned:
 
 
 @dataclass(frozen=True)
+class _Assembly:
+    """How this rank builds one param it owns: each piece from its own shard or from a sender."""
+
+    index: int
+    shape: torch.Size
+    parts: tuple[tuple[Layout, int, int], ...]  # (layout, sender or -1 for here, offset)
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """What this rank sends, receives, transforms and gets back for one bucket of owned params."""
+
+    dtype: torch.dtype
+    send: tuple[tuple[int, ...], ...]  # by rank: indices of this rank's shards sent there
+    recv_sizes: tuple[int, ...]  # elements from each rank
+    owned: tuple[_Assembly, ...]  # the params this rank owns in the bucket
+    back: tuple[tuple[tuple[int, Layout], ...], ...]  # by rank: (index, its layout) of results
+    back_sizes: tuple[int, ...]  # elements each rank returns here
+    land: tuple[tuple[int, int, int], ...]  # (index, owner, offset) of every param in the bucket
+
+
+@dataclass(frozen=True)
 class _Plan:
     """What every rank of one mesh does with that mesh's params."""
 
@@ -89,8 +152,7 @@ class _Plan:
     rank: int
     mine: tuple[Layout, ...]  # this rank's layout of each tensor
     in_place: tuple[int, ...]
-    owned: tuple[_Owned, ...]
-    rounds: tuple[tuple[int, ...], ...]  # indices into ``owned``
+    buckets: tuple[_Bucket, ...]
 
 
 def _supported(p: torch.Tensor) -> bool:
@@ -103,11 +165,29 @@ def _supported(p: torch.Tensor) -> bool:
 
 
 class FSDPBackend(ShardingBackend):
-    """DTensor params of any ``Shard``/strided/``Replicate`` layout: in place where blocks are whole, else owners."""
+    """DTensor params of any ``Shard``/strided/``Replicate`` layout: in place where blocks are whole, else owners.
+
+    Args:
+        overlap: Overlap the owner exchange with the transform (asynchronous
+            collectives, bucket by bucket). ``None`` (how the registry makes
+            it): ``$HYPER_PARALLEL_EXCHANGE_OVERLAP`` as it is now, ``1``
+            (the default when unset) or ``0``. The results are bitwise the
+            same either way.
+
+    Raises:
+        ValueError: ``overlap`` is not a bool, or the environment variable is
+            set to something other than ``1``/``0`` (``true``/``false``,
+            ``on``/``off``).
+    """
 
     name: ClassVar[str] = "fsdp"
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: bool | None = None) -> None:
+        if overlap is None:
+            overlap = _overlap_from_env()
+        elif not isinstance(overlap, bool):
+            raise HyperParallelValueError(f"overlap should be True or False, got {overlap!r}.")
+        self.overlap = overlap
         self._plans: dict[tuple[Any, ...], _Plan] = {}
 
     def accepts(self, params: Sequence[torch.Tensor]) -> bool:
@@ -132,16 +212,17 @@ class FSDPBackend(ShardingBackend):
             check_not_partial(t)
             by_mesh.setdefault(t.device_mesh if is_dtensor(t) else None, []).append(i)  # type: ignore[attr-defined]
         in_place = {i: Layout.whole(tensors[i].shape) for i in by_mesh.pop(None, [])}
-        plans = [
-            (indices, self._plan(tensors, needs, indices, cost)) for indices in by_mesh.values()
-        ]
+        plans = [(idx, self._plan(tensors, needs, idx, cost)) for idx in by_mesh.values()]
         for indices, plan in plans:
             in_place.update((indices[k], plan.mine[k]) for k in plan.in_place)
-        _map_in_place(fn, tensors, needs, in_place, out)
-        for indices, plan in plans:
-            _exchange(
-                fn, [tensors[i] for i in indices], [needs[i] for i in indices], plan, out, indices
-            )
+        local = [local_tensor(t) for t in tensors]
+        exchange = _Exchange(fn, tensors, local, needs, out)
+        steps = [(plan, indices, bucket) for indices, plan in plans for bucket in plan.buckets]
+        if self.overlap:
+            exchange.overlapped(steps, lambda: _map_in_place(fn, tensors, needs, in_place, out))
+        else:
+            _map_in_place(fn, tensors, needs, in_place, out)
+            exchange.in_turn(steps)
         return [r for r in out if r is not None]
 
     def _plan(
@@ -183,6 +264,9 @@ class HSDPBackend(FSDPBackend):
         return super().shard_model(module, **options)
 
 
+# -- the plan ------------------------------------------------------------------------
+
+
 def _block_shapes(shape: torch.Size, need: Need) -> list[torch.Size]:
     if not isinstance(need, RowBlocks):
         return [shape]
@@ -203,18 +287,25 @@ def _make_plan(
     measure = cost or (lambda shape: float(math.prod(shape)))
     costs = [sum(measure(s) for s in _block_shapes(tensors[i].shape, needs[i])) for i in moving]
     owners = assign_owners(costs, world)
-    owned = tuple(
+    owned = [
         _Owned(i, owner, _pieces(layouts[i], owner, i), tuple(layouts[i]))
         for i, owner in zip(moving, owners, strict=True)
-    )
-    rounds = exchange_rounds(
-        [tensors[o.index].numel() * tensors[o.index].element_size() for o in owned],
-        [tensors[o.index].dtype for o in owned],
-        owners,
-        world,
-    )
+    ]
+    nbytes = [tensors[o.index].numel() * tensors[o.index].element_size() for o in owned]
+    dtypes = [tensors[o.index].dtype for o in owned]
+    rounds = exchange_rounds(nbytes, dtypes, owners, world, _bucket_bytes(nbytes, owners, world))
+    buckets = tuple(_bucket([owned[k] for k in round_], tensors, rank, world) for round_ in rounds)
     mine = tuple(layouts[i][rank] for i in range(len(tensors)))
-    return _Plan(group, rank, mine, in_place, owned, tuple(tuple(r) for r in rounds))
+    return _Plan(group, rank, mine, in_place, buckets)
+
+
+def _bucket_bytes(nbytes: list[int], owners: list[int], world: int) -> int:
+    """Whole-tensor bytes per owner and bucket: the busiest owner's share, within bounds."""
+    per_owner = [0] * world
+    for n, owner in zip(nbytes, owners, strict=True):
+        per_owner[owner] += n
+    share = math.ceil(max(per_owner, default=0) / OVERLAP_BUCKETS)
+    return min(DEFAULT_BUCKET_BYTES // OVERLAP_BUCKETS, max(MIN_BUCKET_BYTES, share))
 
 
 def _pieces(layouts: list[Layout], owner: int, salt: int) -> tuple[_Piece, ...]:
@@ -227,6 +318,48 @@ def _pieces(layouts: list[Layout], owner: int, salt: int) -> tuple[_Piece, ...]:
         _Piece(layout, owner if owner in ranks else ranks[salt % len(ranks)])
         for layout, ranks in holders.items()
     )
+
+
+def _bucket(items: list[_Owned], tensors: list[torch.Tensor], me: int, world: int) -> _Bucket:
+    """This rank's part of exchanging ``items``: the orders and offsets both collectives use."""
+    send: list[list[int]] = [[] for _ in range(world)]
+    recv_sizes = [0] * world
+    owned: list[_Assembly] = []
+    back: list[list[tuple[int, Layout]]] = [[] for _ in range(world)]
+    back_sizes = [0] * world
+    land: list[tuple[int, int, int]] = []
+    for item in items:
+        parts = []
+        for piece in item.pieces:
+            if piece.sender == me and item.owner != me:
+                send[item.owner].append(item.index)
+            elif item.owner == me:
+                if piece.sender == me:
+                    parts.append((piece.layout, -1, 0))
+                else:
+                    parts.append((piece.layout, piece.sender, recv_sizes[piece.sender]))
+                    recv_sizes[piece.sender] += piece.layout.numel
+        if item.owner == me:
+            owned.append(_Assembly(item.index, tensors[item.index].shape, tuple(parts)))
+            for rank in range(world):
+                if rank != me:
+                    back[rank].append((item.index, item.layouts[rank]))
+            land.append((item.index, me, 0))
+        else:
+            land.append((item.index, item.owner, back_sizes[item.owner]))
+            back_sizes[item.owner] += item.layouts[me].numel
+    return _Bucket(
+        tensors[items[0].index].dtype,
+        tuple(map(tuple, send)),
+        tuple(recv_sizes),
+        tuple(owned),
+        tuple(map(tuple, back)),
+        tuple(back_sizes),
+        tuple(land),
+    )
+
+
+# -- running it ----------------------------------------------------------------------
 
 
 def _map_in_place(
@@ -248,88 +381,132 @@ def _map_in_place(
         out[i] = shard_like(result, tensors[i])
 
 
-def _exchange(
-    fn: BlocksFn,
-    tensors: list[torch.Tensor],
-    needs: list[Need],
-    plan: _Plan,
-    out: list[torch.Tensor | None],
-    positions: list[int],
-) -> None:
-    """The owner exchange, round by round; results land in ``out[positions[i]]``."""
-    me, world = plan.rank, dist.get_world_size(plan.group)
-    local = [local_tensor(t) for t in tensors]
-    for round_ in plan.rounds:
-        items = [plan.owned[k] for k in round_]
-        dtype, device = local[items[0].index].dtype, local[items[0].index].device
-        # -- each distinct piece to its owner --------------------------------------
-        send: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        sizes = [0] * world
-        for item in items:
-            for piece in item.pieces:
-                if piece.sender == me and item.owner != me:
-                    send[item.owner].append(local[item.index])
-                elif item.owner == me and piece.sender != me:
-                    sizes[piece.sender] += piece.layout.numel
-        received = all_to_all(send, sizes, dtype, device, plan.group)
-        # -- the owner assembles its tensors and transforms them in one call ------
-        offsets = [0] * world
-        results = _transform_owned(fn, tensors, needs, local, items, me, received, offsets)
-        # -- every rank's part of each result back to it --------------------------
-        send = [[] for _ in range(world)]
-        sizes = [0] * world
-        for item in items:
-            if item.owner == me:
-                for rank in range(world):
-                    if rank != me:
-                        send[rank].append(item.layouts[rank].take(results[item.index]))
-            else:
-                sizes[item.owner] += item.layouts[me].numel
-        returned = all_to_all(send, sizes, dtype, device, plan.group)
-        offsets = [0] * world
-        for item in items:
-            mine = item.layouts[me]
-            if item.owner == me:
-                part = mine.take(results[item.index])
-            else:
-                start = offsets[item.owner]
-                offsets[item.owner] += mine.numel
-                part = returned[item.owner][start : start + mine.numel].view(mine.shape)
-            out[positions[item.index]] = shard_like(part, tensors[item.index])
+class _InFlight:
+    """One ``all_to_all_single`` started with ``async_op=True``; :meth:`wait` gives what arrived."""
+
+    def __init__(
+        self,
+        parts: Sequence[Sequence[torch.Tensor]],
+        recv_sizes: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: ProcessGroup,
+    ) -> None:
+        flat = [p.reshape(-1) for ps in parts for p in ps]
+        send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+        self._recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+        self._sizes = list(recv_sizes)
+        self._work = dist.all_to_all_single(
+            self._recv,
+            send,
+            output_split_sizes=self._sizes,
+            input_split_sizes=[sum(p.numel() for p in ps) for ps in parts],
+            group=group,
+            async_op=True,
+        )
+        self._send = send  # alive until the collective is done
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until the exchange is done; what each rank sent here, one flat tensor per rank."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            del self._send
+        return list(self._recv.split(self._sizes))
 
 
-def _transform_owned(
-    fn: BlocksFn,
-    tensors: list[torch.Tensor],
-    needs: list[Need],
-    local: list[torch.Tensor],
-    items: list[_Owned],
-    me: int,
-    received: list[torch.Tensor],
-    offsets: list[int],
-) -> dict[int, torch.Tensor]:
-    """Assemble the whole tensors this rank owns in a round and apply ``fn`` to their blocks."""
-    fulls: dict[int, torch.Tensor] = {}
-    for item in (it for it in items if it.owner == me):
-        t = local[item.index]
-        full = t.new_empty(tensors[item.index].shape)
-        for piece in item.pieces:
-            if piece.sender == me:
-                data = t
+_Step = tuple[_Plan, list[int], _Bucket]  # a plan, its tensors' positions, one of its buckets
+
+
+class _Exchange:
+    """The owner exchange of one ``map_blocks`` call, bucket by bucket; results land in ``out``."""
+
+    def __init__(
+        self,
+        fn: BlocksFn,
+        tensors: Sequence[torch.Tensor],
+        local: list[torch.Tensor],
+        needs: Sequence[Need],
+        out: list[torch.Tensor | None],
+    ) -> None:
+        self.fn, self.tensors, self.local, self.needs, self.out = fn, tensors, local, needs, out
+
+    def in_turn(self, steps: list[_Step]) -> None:
+        """Each bucket's trip to its owners, transform and trip back, one after the other."""
+        for step in steps:
+            results = self._transform(step, self._send(step).wait())
+            self._land(step, results, self._return(step, results).wait())
+
+    def overlapped(self, steps: list[_Step], meanwhile: Callable[[], None]) -> None:
+        """:meth:`in_turn` with the next bucket travelling while the current one computes.
+
+        ``meanwhile`` (the in-place work) runs while the first bucket travels.
+        At most three buckets are in flight: the next one arriving, the
+        current one computing, the previous one's results returning.
+        """
+        incoming = self._send(steps[0]) if steps else None
+        meanwhile()
+        returning: tuple[_Step, dict[int, torch.Tensor], _InFlight] | None = None
+        for k, step in enumerate(steps):
+            assert incoming is not None
+            received = incoming.wait()
+            incoming = self._send(steps[k + 1]) if k + 1 < len(steps) else None
+            results = self._transform(step, received)
+            sent_back = self._return(step, results)
+            if returning is not None:
+                self._land(returning[0], returning[1], returning[2].wait())
+            returning = (step, results, sent_back)
+        if returning is not None:
+            self._land(returning[0], returning[1], returning[2].wait())
+
+    def _send(self, step: _Step) -> _InFlight:
+        """Start sending this rank's pieces of the bucket to their owners."""
+        plan, positions, bucket = step
+        parts = [[self.local[positions[i]] for i in indices] for indices in bucket.send]
+        return _InFlight(parts, bucket.recv_sizes, bucket.dtype, self._device(step), plan.group)
+
+    def _device(self, step: _Step) -> torch.device:
+        _, positions, bucket = step
+        return self.local[positions[bucket.land[0][0]]].device
+
+    def _transform(self, step: _Step, received: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Assemble the whole tensors this rank owns in the bucket; ``fn`` on their blocks, in one call."""
+        _, positions, bucket = step
+        fulls = []
+        for owned in bucket.owned:
+            mine = self.local[positions[owned.index]]
+            full = mine.new_empty(owned.shape)
+            for layout, sender, offset in owned.parts:
+                data = mine if sender < 0 else received[sender][offset : offset + layout.numel]
+                layout.copy_into(full, data.view(layout.shape))
+            fulls.append(full)
+        results = map_held_blocks(
+            self.fn,
+            fulls,
+            [Layout.whole(f.shape) for f in fulls],
+            [self.needs[positions[o.index]] for o in bucket.owned],
+        )
+        return {o.index: r for o, r in zip(bucket.owned, results, strict=True)}
+
+    def _return(self, step: _Step, results: dict[int, torch.Tensor]) -> _InFlight:
+        """Start sending every rank its piece of each result this rank computed."""
+        plan, _, bucket = step
+        parts = [[layout.take(results[i]) for i, layout in to] for to in bucket.back]
+        return _InFlight(parts, bucket.back_sizes, bucket.dtype, self._device(step), plan.group)
+
+    def _land(
+        self, step: _Step, results: dict[int, torch.Tensor], returned: list[torch.Tensor]
+    ) -> None:
+        """Each param's result for this rank, from its own results or from what came back."""
+        plan, positions, bucket = step
+        for index, owner, offset in bucket.land:
+            mine = plan.mine[index]
+            if owner == plan.rank:
+                part = mine.take(results[index])
             else:
-                start = offsets[piece.sender]
-                offsets[piece.sender] += piece.layout.numel
-                data = received[piece.sender][start : start + piece.layout.numel]
-            piece.layout.copy_into(full, data.view(piece.layout.shape))
-        fulls[item.index] = full
-    indices = list(fulls)
-    results = map_held_blocks(
-        fn,
-        [fulls[i] for i in indices],
-        [Layout.whole(fulls[i].shape) for i in indices],
-        [needs[i] for i in indices],
-    )
-    return dict(zip(indices, results, strict=True))
+                part = returned[owner][offset : offset + mine.numel].view(mine.shape)
+            position = positions[index]
+            self.out[position] = shard_like(part, self.tensors[position])
 
 
 @hookimpl
