@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ class Settings:
     repeats: int = 5
     device: str = "cpu"
     peers: bool = True
-    dist_dim: int = 512
+    dist_dims: tuple[int, ...] = (256, 512)
     dist_layers: int = 4
     dist_tp_dim: int = 256  # FSDP x TP rows: 4 processes, so smaller
     dist_tp_layers: int = 2
@@ -425,11 +426,15 @@ def case_chained(settings: Settings) -> Iterator[Row]:
     )  # fmt: skip
 
 
+#: Distributed Muon at 2 ranks against one process: the target by model width.
+_DIST_TARGETS = {256: "<= 0.75", 512: "<= 0.6"}
+
+
 def case_distributed(settings: Settings) -> Iterator[Row]:
     """Distributed Muon (benchmarks/distributed_muon.py): FSDP at 2 ranks, FSDP x TP at 4."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "dist.json"
-        args = ["--dim", str(settings.dist_dim), "--layers", str(settings.dist_layers),
+        args = ["--dim", *map(str, settings.dist_dims), "--layers", str(settings.dist_layers),
                 "--tp-dim", str(settings.dist_tp_dim), "--tp-layers", str(settings.dist_tp_layers),
                 "--repeats", str(max(1, settings.repeats // 2 + 1))]  # fmt: skip
         if not settings.peers:
@@ -442,25 +447,35 @@ def case_distributed(settings: Settings) -> Iterator[Row]:
                       note=result.stderr.strip().splitlines()[-1][:120], command=command)  # fmt: skip
             return
         data = json.loads(out.read_text())
-    s, state = data["seconds"], data["state_bytes_per_rank"]
-    what = (f"Distributed Muon step, 2 ranks x 1 thread, gloo, "
-            f"d={settings.dist_dim} x {settings.dist_layers} layers")  # fmt: skip
-    yield Row(what, "ours (fsdp, owner per matrix)", s["ours"], "one process, 1 thread",
-              s["one_process"], "s", "<= 0.6", "", command)  # fmt: skip
-    yield Row(what, "ours (fsdp, owner per matrix)", s["ours"],
+    for dim in settings.dist_dims:
+        yield from _fsdp_rows(data["fsdp"][str(dim)], dim, settings.dist_layers, command)
+    tp = data["fsdp_tp"]
+    what = (f"Distributed Muon step on FSDP x TP, 4 ranks (dp=2, tp=2) x 1 thread, gloo, "
+            f"d={tp['dim']} x {tp['layers']} layers")  # fmt: skip
+    note = f"same run; 4 processes on {os.cpu_count()} cores"
+    for key, label in (
+        ("ours", "ours (overlapped exchange)"),
+        ("ours_no_overlap", "ours, no overlap"),
+    ):
+        yield Row(what, label, tp["seconds"][key], "every rank gathers every matrix",
+                  tp["seconds"]["gather_all"], "s", "", note, command)  # fmt: skip
+
+
+def _fsdp_rows(record: dict[str, Any], dim: int, layers: int, command: str) -> Iterator[Row]:
+    s, state = record["seconds"], record["state_bytes"]
+    what = f"Distributed Muon step, 2 ranks x 1 thread, gloo, d={dim} x {layers} layers"
+    yield Row(what, "ours (fsdp, overlapped exchange)", s["ours"], "one process, 1 thread",
+              s["one_process"], "s", _DIST_TARGETS.get(dim, ""), "", command)  # fmt: skip
+    yield Row(what, "ours (fsdp, no overlap)", s["ours_no_overlap"], "one process, 1 thread",
+              s["one_process"], "s", "", "HYPER_PARALLEL_EXCHANGE_OVERLAP=0", command)  # fmt: skip
+    yield Row(what, "ours (fsdp, overlapped exchange)", s["ours"],
               "every rank gathers every matrix", s["gather_all"], "s", "<= 1.0", "", command)  # fmt: skip
     if "torch_muon" in s:
         yield Row(what, "ours, bf16 NS", s["ours_bf16"], "torch.optim.Muon on the DTensors (bf16)",
                   s["torch_muon"], "s", "<= 1.0", "", command)  # fmt: skip
-    yield Row("Muon state per rank (MiB), same run", "ours, per rank", state["ours"] / 2**20,
+    yield Row(f"Muon state per rank (MiB), d={dim}", "ours, per rank", state["ours"] / 2**20,
               "one process", state["one_process"] / 2**20, "MiB", "<= 0.5",
               "momentum buffers only, local shards", command)  # fmt: skip
-    tp = data["fsdp_tp"]
-    yield Row(f"Distributed Muon step on FSDP x TP, 4 ranks (dp=2, tp=2) x 1 thread, gloo, "
-              f"d={tp['dim']} x {tp['layers']} layers", "ours (fsdp, owner per matrix)",
-              tp["seconds"]["ours"], "every rank gathers every matrix",
-              tp["seconds"]["gather_all"], "s", "",
-              f"same run; 4 processes on {os.cpu_count()} cores", command)  # fmt: skip
 
 
 _IMPORT_TORCH = "import torch"
@@ -655,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("installing the peers failed; they are listed with the reason", file=sys.stderr)
     settings = Settings()
     if args.quick:
-        settings = Settings(dims=(256,), layers=4, repeats=3, dist_dim=256, dist_layers=2,
+        settings = Settings(dims=(256,), layers=4, repeats=3, dist_dims=(256,), dist_layers=2,
                             dist_tp_dim=128, quick_flag="--quick")  # fmt: skip
     if args.dims:
         settings.dims = tuple(int(d) for d in args.dims.split(","))

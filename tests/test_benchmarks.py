@@ -55,16 +55,19 @@ def test_entry_point_prints_the_table_and_writes_json(tmp_path: Path) -> None:
 def test_distributed_case_runs_fsdp_and_fsdp_x_tp_rows() -> None:
     # Tiny sizes: this checks the benchmark runs (and that ours and the gather-all
     # baseline agree, which it asserts itself), never its timings.
-    settings = Settings(repeats=1, peers=False, dist_dim=32, dist_layers=1,
+    settings = Settings(repeats=1, peers=False, dist_dims=(32, 48), dist_layers=1,
                         dist_tp_dim=32, dist_tp_layers=1)  # fmt: skip
     rows = list(case_distributed(settings))
     assert all(r.ours is not None and r.peer is not None for r in rows), rows[0].note
-    peers = [r.peer_label for r in rows]
-    assert peers == ["one process, 1 thread", "every rank gathers every matrix", "one process",
-                     "every rank gathers every matrix"]  # fmt: skip
+    per_width = ["one process, 1 thread", "one process, 1 thread",
+                 "every rank gathers every matrix", "one process"]  # fmt: skip
+    assert [r.peer_label for r in rows] == [*per_width, *per_width,
+        "every rank gathers every matrix", "every rank gathers every matrix"]  # fmt: skip
+    assert ["d=32" in r.case for r in rows[:4]] == [True] * 4
+    assert [r.ours_label for r in rows[-2:]] == ["ours (overlapped exchange)", "ours, no overlap"]
     assert rows[-1].case.startswith("Distributed Muon step on FSDP x TP, 4 ranks (dp=2, tp=2)")
     assert rows[-1].command == (
-        "python -m benchmarks.distributed_muon --dim 32 --layers 1 --tp-dim 32 --tp-layers 1 "
+        "python -m benchmarks.distributed_muon --dim 32 48 --layers 1 --tp-dim 32 --tp-layers 1 "
         "--repeats 1 --skip-torch"
     )
 
@@ -72,7 +75,7 @@ def test_distributed_case_runs_fsdp_and_fsdp_x_tp_rows() -> None:
 def test_unknown_case_is_an_error_naming_the_cases() -> None:
     result = _bench("--cases", "muon,speed")
     assert result.returncode == 2
-    assert "unknown case(s) speed; choose from muon, ns, adamw, chained" in result.stderr
+    assert "unknown case(s) speed; choose from muon, ns, gram, adamw, chained" in result.stderr
 
 
 def test_rows_judge_their_targets() -> None:
