@@ -24,6 +24,7 @@ from hyper_parallel_builtins.newton_schulz import (
     PER_MATRIX_FROM,
     newton_schulz,
     newton_schulz_batched,
+    newton_schulz_flops,
     resolve_coefficients,
     resolve_ns_method,
 )
@@ -363,6 +364,14 @@ def test_muon_with_gram_matches_standard_per_head_and_batched() -> None:
     for p, q in zip(params["standard"], params["gram"], strict=True):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
     assert all(g["ns_method"] == "gram" for g in opts["gram"].param_groups)
+
+
+def test_gram_flops_undercut_standard_where_auto_takes_it() -> None:
+    gram, standard = (newton_schulz_flops(256, 1024, 5, m) for m in ("gram", "standard"))
+    assert gram < standard
+    assert newton_schulz_flops(512, 512, 5, "gram") > newton_schulz_flops(512, 512, 5, "standard")
+    # standard: 5 steps of X X^T (2 s^2 l), A A (2 s^3) and B X (2 s^2 l)
+    assert newton_schulz_flops(1024, 256, 5, "standard") == 5 * (4 * 256**2 * 1024 + 2 * 256**3)
 
 
 def test_batched_gram_refuses_an_unknown_method_before_any_work() -> None:

@@ -33,6 +33,7 @@ from hyper_parallel_builtins.newton_schulz import (
     KELLER_COEFFICIENTS,
     CoefficientSpec,
     newton_schulz_batched,
+    newton_schulz_flops,
     resolve_coefficients,
     resolve_ns_method,
 )
@@ -411,11 +412,12 @@ class Muon(MatrixOptimizer):
             The scaled, orthogonalized updates, laid out like ``updates``.
         """
         view = group["matrix_view"]
+        device = updates[0].device if updates else torch.device("cpu")
 
         def ns_flops(shape: torch.Size) -> float:
             batch, rows, cols = matrix_shape(shape, view)
-            small, large = min(rows, cols), max(rows, cols)
-            return float(group["ns_steps"] * batch * (4 * small * small * large + 2 * small**3))
+            method = resolve_ns_method(group["ns_method"], rows, cols, device)
+            return batch * newton_schulz_flops(rows, cols, group["ns_steps"], method)
 
         return self.sharding_backend(group).map_blocks(
             lambda blocks: self._orthogonalize_full(blocks, group),

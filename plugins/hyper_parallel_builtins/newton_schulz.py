@@ -42,6 +42,7 @@ __all__ = [
     "Coefficients",
     "newton_schulz",
     "newton_schulz_batched",
+    "newton_schulz_flops",
     "resolve_coefficients",
     "resolve_ns_method",
 ]
@@ -383,6 +384,21 @@ def _iterate_gram_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) 
             torch.add(gram, gram.mT, out=spare).mul_(0.5)  # symmetric, as P R P is
             gram, spare = spare, gram
     return x if identity else torch.bmm(q_t.mT, x)
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int, method: str) -> float:
+    """FLOPs of ``steps`` iterations on one ``rows x cols`` matrix by ``method``.
+
+    ``"standard"``: ``4 s^2 l + 2 s^3`` per step (short side ``s``, long side
+    ``l``). ``"gram"``: ``8 s^3`` per step, plus ``4 s^2 l`` for the first Gram
+    matrix and the final product and ``4 s^2 l`` per restart. Used to balance
+    Newton-Schulz work across ranks, not to time it.
+    """
+    small, large = min(rows, cols), max(rows, cols)
+    if method != "gram":
+        return float(steps * (4 * small * small * large + 2 * small**3))
+    restarts = len(range(GRAM_FIRST_RESTART, steps, GRAM_RESTART_EVERY))
+    return float(steps * 8 * small**3 + (4 + 4 * restarts) * small * small * large)
 
 
 def newton_schulz_batched(
