@@ -190,6 +190,10 @@ def test_strict_mode_makes_a_broken_plugin_fatal(monkeypatch: pytest.MonkeyPatch
         get_registry().get("optimizer", "muon")
     assert info.value.plugin == "broken"
     assert info.value.distribution == "broken-dist 0.1"
+    monkeypatch.setenv("HYPER_PARALLEL_STRICT_PLUGINS", "strict")
+    get_registry().reset()
+    with pytest.raises(ValueError, match=r"HYPER_PARALLEL_STRICT_PLUGINS='strict' is not a switch"):
+        get_registry().get("optimizer", "muon")
 
 
 def test_hook_that_raises_is_attributed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,7 +38,6 @@ one collective, and reused every step.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -48,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel import hookimpl
+from hyper_parallel.core._env import env_switch
 from hyper_parallel.core.distributed import BlocksFn, Need, RowBlocks, ShardingBackend
 from hyper_parallel.core.distributed.toolkit import (
     DEFAULT_BUCKET_BYTES,
@@ -77,8 +77,6 @@ __all__ = ["MIN_BUCKET_BYTES", "OVERLAP_BUCKETS", "OVERLAP_ENV", "FSDPBackend", 
 #: default when unset) overlaps the owner exchange with the transform, ``0`` does not.
 OVERLAP_ENV = "HYPER_PARALLEL_EXCHANGE_OVERLAP"
 
-_OVERLAP_VALUES = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
-
 #: Buckets the owner exchange is cut into, each giving every owner about this share of
 #: its work: the first bucket's trip to its owners and the last one's trip back are what
 #: overlap cannot hide. A bucket holds at least ``MIN_BUCKET_BYTES`` (each exchange has
@@ -91,17 +89,11 @@ MIN_BUCKET_BYTES = 1024 * 1024
 
 
 def _overlap_from_env() -> bool:
-    value = os.environ.get(OVERLAP_ENV, "").strip()
-    if not value:
-        return True
-    try:
-        return _OVERLAP_VALUES[value.lower()]
-    except KeyError:
-        raise HyperParallelValueError(
-            f"{OVERLAP_ENV}={value!r} is not a switch: set it to 1 (overlap the owner "
-            "exchange with the transform, the default) or 0 (wait for each exchange at once); "
-            "true/false and on/off are accepted too."
-        ) from None
+    return env_switch(
+        OVERLAP_ENV,
+        default=True,
+        meaning="overlap the owner exchange with the transform, the default",
+    )
 
 
 @dataclass(frozen=True)

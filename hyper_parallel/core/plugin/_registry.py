@@ -28,6 +28,7 @@ from typing import Any
 
 import pluggy
 
+from hyper_parallel.core._env import env_switch
 from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.errors import (
     DuplicatePluginError,
@@ -356,7 +357,9 @@ class _Loader:
     """One discovery pass: plugins found, what failed, then the entries they register."""
 
     def __init__(self) -> None:
-        self.strict = os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes")
+        self.strict = env_switch(
+            STRICT_ENV, default=False, meaning="a plugin that fails to load is fatal"
+        )
         self.disabled = _env_list(DISABLE_ENV)
         self.pm = pluggy.PluginManager(PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
