@@ -443,6 +443,8 @@ def case_distributed(settings: Settings) -> Iterator[Row]:
         result = subprocess.run([sys.executable, "-m", "benchmarks.distributed_muon", *args,
                                  "--json", str(out)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
         if result.returncode != 0:
+            # Every rank's traceback, not only the last line the row keeps.
+            print(result.stderr[-4000:], file=sys.stderr)
             yield Row("Distributed Muon, 2 ranks", "ours", None, "-", None, "s",
                       note=result.stderr.strip().splitlines()[-1][:120], command=command)  # fmt: skip
             return
