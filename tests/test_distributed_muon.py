@@ -88,6 +88,24 @@ def test_overlap_switch_is_read_when_the_backend_is_made(monkeypatch: pytest.Mon
         FSDPBackend(overlap="yes")  # type: ignore[arg-type]
 
 
+def test_a_backend_without_its_own_map_prepared_blocks_prepares_everything_first() -> None:
+    from hyper_parallel.core.distributed import WholeMatrices
+    from hyper_parallel_builtins.local_backend import LocalBackend
+
+    tensors = [torch.randn(4, 3), torch.randn(2, 5)]
+    calls: list[list[int]] = []
+
+    def prepare(positions: list[int]) -> list[torch.Tensor]:
+        calls.append(positions)
+        return [2 * tensors[i] for i in positions]
+
+    needs = [WholeMatrices()] * 2
+    results = LocalBackend().map_prepared_blocks(_blockwise, prepare, tensors, needs)
+    assert calls == [[0, 1]]
+    for got, t in zip(results, tensors, strict=True):
+        torch.testing.assert_close(got, _blockwise([2 * t])[0])
+
+
 def test_exchange_rounds_give_every_owner_work() -> None:
     nbytes = [64] * 6 + [32]
     dtypes = [torch.float32] * 6 + [torch.float64]
@@ -221,6 +239,7 @@ def _work_is_spread(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=r"a Partial value is not a matrix yet"):
         FSDPBackend().map_blocks(lambda ts: ts, [partial], [WholeMatrices()])
 
+    _check_prepare_order(mesh, world_size)
     overlapped = _exchange_order(model, overlap=True)
     in_turn = _exchange_order(model, overlap=False)
     exchanges = overlapped.count("exchange")
@@ -230,6 +249,52 @@ def _work_is_spread(rank: int, world_size: int) -> None:
     assert overlapped[:2] == ["exchange", "exchange"], overlapped
     assert in_turn[:2] == ["exchange", "compute"], in_turn
     assert overlapped.count("compute") == in_turn.count("compute")
+
+
+def _blockwise(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A transform that reads its whole block: a wrong block shows in the result."""
+    return [b * b.sum() for b in blocks]
+
+
+def _check_prepare_order(mesh: Any, world_size: int) -> None:
+    """``map_prepared_blocks`` makes what travels first; with overlap, what is held while it travels."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from hyper_parallel.core.distributed import RowBlocks, WholeMatrices
+    from hyper_parallel_builtins.fsdp_backend import FSDPBackend
+
+    gen = torch.Generator().manual_seed(3)
+    heads = torch.randn(8 * world_size, 4, generator=gen)  # row shards hold whole 8-row heads
+    moving = torch.randn(6, 5, generator=gen)  # one matrix split over the ranks: travels
+    plain = torch.randn(3, 3, generator=gen)  # a plain tensor: held whole
+    layouts = [distribute_tensor(heads, mesh, [Shard(0)]),
+               distribute_tensor(moving, mesh, [Shard(0)]), plain]  # fmt: skip
+    needs = [RowBlocks((8,) * world_size), WholeMatrices(), WholeMatrices()]
+    expected = [torch.cat(_blockwise(list((2 * heads).split(8)))),
+                _blockwise([2 * moving])[0], _blockwise([2 * plain])[0]]  # fmt: skip
+    exchange = dist.all_to_all_single
+    for overlap in (True, False):
+        events: list[Any] = []
+
+        def prepare(positions: list[int], events: list[Any] = events) -> list[torch.Tensor]:
+            events.append(sorted(positions))
+            return [2 * layouts[i] for i in positions]
+
+        def exchanging(*args: Any, events: list[Any] = events, **kwargs: Any) -> Any:
+            events.append("exchange")
+            return exchange(*args, **kwargs)
+
+        dist.all_to_all_single = exchanging  # type: ignore[assignment]
+        try:
+            backend = FSDPBackend(overlap=overlap)
+            results = backend.map_prepared_blocks(_blockwise, prepare, layouts, needs)
+        finally:
+            dist.all_to_all_single = exchange  # type: ignore[assignment]
+        held_after = ["exchange", [0, 2]] if overlap else [[0, 2], "exchange"]
+        assert events == [[1], *held_after, "exchange"], (overlap, events)
+        for got, want in zip(results, expected, strict=True):
+            full = got.full_tensor() if hasattr(got, "full_tensor") else got
+            torch.testing.assert_close(full, want, msg=f"overlap={overlap}")
 
 
 def _exchange_order(model: torch.nn.Module, *, overlap: bool) -> list[str]:

@@ -23,7 +23,8 @@ Who computes what, for each param a matrix optimizer hands over:
   piece of the result.
 
 **Overlap** (the default): the collectives are asynchronous. The first
-bucket is sent before the in-place blocks are transformed, and the next
+bucket is sent before the in-place blocks are made (``map_prepared_blocks``:
+a matrix optimizer's momentum) and transformed, and the next
 bucket travels while the current one computes, while the results of the
 one before travel back. Without overlap (``FSDPBackend(overlap=False)`` or
 ``HYPER_PARALLEL_EXCHANGE_OVERLAP=0``) every exchange is waited for as soon
@@ -48,7 +49,13 @@ from torch import nn
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core._env import env_switch
-from hyper_parallel.core.distributed import BlocksFn, Need, RowBlocks, ShardingBackend
+from hyper_parallel.core.distributed import (
+    BlocksFn,
+    Need,
+    PrepareFn,
+    RowBlocks,
+    ShardingBackend,
+)
 from hyper_parallel.core.distributed.toolkit import (
     DEFAULT_BUCKET_BYTES,
     Layout,
@@ -198,22 +205,42 @@ class FSDPBackend(ShardingBackend):
         *,
         cost: Callable[[torch.Size], float] | None = None,
     ) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(tensors)
+        return self.map_prepared_blocks(
+            fn, lambda positions: [tensors[i] for i in positions], tensors, needs, cost=cost
+        )
+
+    def map_prepared_blocks(
+        self,
+        fn: BlocksFn,
+        prepare: PrepareFn,
+        layouts: Sequence[torch.Tensor],
+        needs: Sequence[Need],
+        *,
+        cost: Callable[[torch.Size], float] | None = None,
+    ) -> list[torch.Tensor]:
+        """Make the tensors that travel, start the exchange, then make and transform the rest."""
         by_mesh: dict[DeviceMesh | None, list[int]] = {}
-        for i, t in enumerate(tensors):
+        for i, t in enumerate(layouts):
             check_not_partial(t)
             by_mesh.setdefault(t.device_mesh if is_dtensor(t) else None, []).append(i)  # type: ignore[attr-defined]
-        in_place = {i: Layout.whole(tensors[i].shape) for i in by_mesh.pop(None, [])}
-        plans = [(idx, self._plan(tensors, needs, idx, cost)) for idx in by_mesh.values()]
+        in_place = {i: Layout.whole(layouts[i].shape) for i in by_mesh.pop(None, [])}
+        plans = [(idx, self._plan(layouts, needs, idx, cost)) for idx in by_mesh.values()]
         for indices, plan in plans:
             in_place.update((indices[k], plan.mine[k]) for k in plan.in_place)
-        local = [local_tensor(t) for t in tensors]
-        exchange = _Exchange(fn, tensors, local, needs, out)
+        tensors = _Prepared(prepare, layouts)
+        tensors.make([i for i in range(len(layouts)) if i not in in_place])
+        out: list[torch.Tensor | None] = [None] * len(layouts)
+        exchange = _Exchange(fn, layouts, tensors.local, needs, out)
         steps = [(plan, indices, bucket) for indices, plan in plans for bucket in plan.buckets]
+
+        def held_blocks() -> None:
+            tensors.make(list(in_place))
+            _map_in_place(fn, tensors.made, needs, in_place, out)
+
         if self.overlap:
-            exchange.overlapped(steps, lambda: _map_in_place(fn, tensors, needs, in_place, out))
+            exchange.overlapped(steps, held_blocks)
         else:
-            _map_in_place(fn, tensors, needs, in_place, out)
+            held_blocks()
             exchange.in_turn(steps)
         return [r for r in out if r is not None]
 
@@ -352,6 +379,21 @@ def _bucket(items: list[_Owned], tensors: list[torch.Tensor], me: int, world: in
 
 
 # -- running it ----------------------------------------------------------------------
+
+
+class _Prepared:
+    """The tensors of one ``map_prepared_blocks`` call, made in parts."""
+
+    def __init__(self, prepare: PrepareFn, layouts: Sequence[torch.Tensor]) -> None:
+        self.prepare = prepare
+        self.made: list[torch.Tensor] = list(layouts)  # placeholders until made
+        self.local: list[torch.Tensor] = [torch.empty(0)] * len(layouts)
+
+    def make(self, positions: list[int]) -> None:
+        if not positions:
+            return
+        for i, t in zip(positions, self.prepare(positions), strict=True):
+            self.made[i], self.local[i] = t, local_tensor(t)
 
 
 def _map_in_place(

@@ -20,7 +20,7 @@ from torch.optim.optimizer import ParamsT
 from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core._torch_private import cpu_has_native_bf16
-from hyper_parallel.core.distributed import Need, RowBlocks, WholeMatrices
+from hyper_parallel.core.distributed import Need, PrepareFn, RowBlocks, WholeMatrices
 from hyper_parallel.core.distributed.toolkit import local_tensor
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer import (
@@ -400,29 +400,34 @@ class Muon(MatrixOptimizer):
 
     _check_param = staticmethod(_validate_param)
 
-    def _orthogonalize(self, updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
+    def _orthogonalize(
+        self, prepare: PrepareFn, layouts: list[Tensor], group: dict[str, Any]
+    ) -> list[Tensor]:
         """Newton-Schulz of every update in ``group``, scaled by each block's lr adjustment.
 
         The group's sharding backend (resolved when the group was added)
         brings each whole matrix, or each head block, to one rank: plain
         tensors and blocks a rank holds whole are done in place, the rest by
-        one owner rank each, balanced by Newton-Schulz FLOPs.
+        one owner rank each, balanced by Newton-Schulz FLOPs. It asks
+        ``prepare`` for the updates as it needs them (those that travel
+        first), so the rest of the momentum work can run while they travel.
 
         Returns:
-            The scaled, orthogonalized updates, laid out like ``updates``.
+            The scaled, orthogonalized updates, laid out like ``layouts``.
         """
         view = group["matrix_view"]
-        device = updates[0].device if updates else torch.device("cpu")
+        device = layouts[0].device if layouts else torch.device("cpu")
 
         def ns_flops(shape: torch.Size) -> float:
             batch, rows, cols = matrix_shape(shape, view)
             method = resolve_ns_method(group["ns_method"], rows, cols, device)
             return batch * newton_schulz_flops(rows, cols, group["ns_steps"], method)
 
-        return self.sharding_backend(group).map_blocks(
+        return self.sharding_backend(group).map_prepared_blocks(
             lambda blocks: self._orthogonalize_full(blocks, group),
-            updates,
-            [_need(u.shape, group) for u in updates],
+            prepare,
+            layouts,
+            [_need(u.shape, group) for u in layouts],
             cost=ns_flops,
         )
 
@@ -464,9 +469,16 @@ class Muon(MatrixOptimizer):
             return
         lr = group["lr"]
         lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
-        updates = momentum_updates(buffers, grads, group["momentum"], group["nesterov"])
-        orthogonal = self._orthogonalize(updates, group)
-        del updates
+
+        def updates(positions: list[int]) -> list[Tensor]:
+            return momentum_updates(
+                [buffers[i] for i in positions],
+                [grads[i] for i in positions],
+                group["momentum"],
+                group["nesterov"],
+            )
+
+        orthogonal = self._orthogonalize(updates, buffers, group)
 
         local_params = [local_tensor(p) for p in params]
         foreach_groups = by_device_and_dtype(local_params)

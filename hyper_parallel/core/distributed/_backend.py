@@ -20,6 +20,7 @@ __all__ = [
     "SHARDING_ENV",
     "BlocksFn",
     "GroupBackends",
+    "PrepareFn",
     "ReductionsFn",
     "ShardingBackend",
     "resolve_backend",
@@ -27,6 +28,9 @@ __all__ = [
 
 #: Maps whole blocks (plain tensors) to results of the same shapes.
 BlocksFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+#: Makes the tensors at the given positions of a ``map_prepared_blocks`` call.
+PrepareFn = Callable[[list[int]], list[torch.Tensor]]
 
 #: Maps local matrices to results of their shapes, summing rows and columns through the Reducer.
 ReductionsFn = Callable[[list[torch.Tensor], Reducer], list[torch.Tensor]]
@@ -89,6 +93,39 @@ class ShardingBackend(abc.ABC):
             One result per input with the input's own (local) shape,
             placements and dtype.
         """
+
+    def map_prepared_blocks(
+        self,
+        fn: BlocksFn,
+        prepare: PrepareFn,
+        layouts: Sequence[torch.Tensor],
+        needs: Sequence[Need],
+        *,
+        cost: Callable[[torch.Size], float] | None = None,
+    ) -> list[torch.Tensor]:
+        """:meth:`map_blocks` on tensors made by ``prepare`` when the backend first needs them.
+
+        A backend that overlaps communication with work makes first the
+        tensors that must travel, starts moving them, and makes the rest
+        (a matrix optimizer's momentum of the blocks a rank holds whole)
+        while they travel. This default makes them all, then calls
+        :meth:`map_blocks`.
+
+        Args:
+            fn: As for :meth:`map_blocks`.
+            prepare: ``prepare(positions)`` returns the tensors at those
+                positions; it is called once for every position, in one call
+                or in several.
+            layouts: One tensor per position with the shape, placements and
+                dtype of the tensor ``prepare`` makes there (its data is not
+                read).
+            needs: One :data:`~hyper_parallel.core.distributed.Need` per position.
+            cost: As for :meth:`map_blocks`.
+
+        Returns:
+            One result per position, laid out like its ``layouts`` tensor.
+        """
+        return self.map_blocks(fn, prepare(list(range(len(layouts)))), needs, cost=cost)
 
     def map_reductions(
         self, fn: ReductionsFn, tensors: Sequence[torch.Tensor]
