@@ -128,12 +128,20 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+#: Seconds of timed calls one step may take per figure: a slower step is timed fewer
+#: times, and one whose first call alone took longer is not run again (its first call
+#: is its figure). Peers' bf16 Newton-Schulz on a CPU without native bf16 takes minutes.
+FIGURE_BUDGET_S = 120.0
+
+
 def _interleaved_medians(
     steps: dict[str, Callable[[], object]], repeats: int, device: str
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Median seconds of each step, timed in turns so that load changes hit all alike.
 
-    Returns the medians and each step's first (warm-up) call time.
+    Each step is timed ``repeats`` times, or as often as
+    :data:`FIGURE_BUDGET_S` allows it (see there). Returns the medians and
+    each step's first (warm-up) call time.
     """
     first: dict[str, float] = {}
     for name, step in steps.items():
@@ -141,11 +149,16 @@ def _interleaved_medians(
         step()
         _sync(device)
         first[name] = time.perf_counter() - start
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
+    times: dict[str, list[float]] = {
+        name: [t] if t > FIGURE_BUDGET_S else [] for name, t in first.items()
+    }
+    quota = {name: min(repeats, max(1, int(FIGURE_BUDGET_S / t))) for name, t in first.items()}
+    order = [name for name in steps if not times[name]]
     for repeat in range(repeats):
         # forward, then backward: whichever runs after another finds its caches warm
         for name in order if repeat % 2 == 0 else reversed(order):
+            if len(times[name]) == quota[name]:
+                continue
             step = steps[name]
             _sync(device)
             start = time.perf_counter()
@@ -228,6 +241,8 @@ def case_muon(settings: Settings) -> Iterator[Row]:
                 note = peer.reason
             elif label in failed:
                 note = failed[label]
+            elif first[label] > FIGURE_BUDGET_S:
+                note = f"its first step only ({first[label]:.0f} s, over {FIGURE_BUDGET_S:.0f} s)"
             elif first[label] > 5 * value:  # type: ignore[operator]
                 note = f"first step {first[label]:.1f} s (compilation), not counted"
             target = "<= 1.0" if not slow_bf16 else "<= 0.1" if label == "torch.optim.Muon" else ""

@@ -108,3 +108,25 @@ def test_plot_labels_tell_sizes_and_dtypes_apart() -> None:
     assert label("New process: import and list every plugin").startswith(
         "New process: import and list every plugin: ours"
     )
+
+
+def test_a_step_slower_than_the_figure_budget_is_timed_fewer_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import benchmarks.suite as suite
+
+    monkeypatch.setattr(suite, "FIGURE_BUDGET_S", 10.0)
+    seconds = {"fast": 1.0, "mid": 4.0, "slow": 11.0}  # each call's duration, by a fake clock
+    clock = [0.0]
+    calls = dict.fromkeys(seconds, 0)
+
+    def step(name: str) -> None:
+        calls[name] += 1
+        clock[0] += seconds[name]
+
+    monkeypatch.setattr(suite.time, "perf_counter", lambda: clock[0])
+    steps = {name: (lambda n=name: step(n)) for name in seconds}
+    medians, first = suite._interleaved_medians(steps, 5, "cpu")
+    # warm-up, then: 5 repeats; 10 s / 4 s = 2; the slow one's first call is its figure
+    assert calls == {"fast": 6, "mid": 3, "slow": 1}
+    assert medians == seconds and first == seconds
