@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from hyper_parallel.core.distributed import (
         clip_grad_norm_,
         fully_shard,
+        hsdp_mesh,
         init_device_mesh,
         set_gradient_scaling_factor,
     )
@@ -76,6 +77,7 @@ __all__ = [
     "get_registry",
     "grads_are_finite",
     "hookimpl",
+    "hsdp_mesh",
     "init_device_mesh",
     "register_plugin",
     "set_gradient_scaling_factor",

@@ -126,3 +126,20 @@ def counting_newton_schulz() -> Iterator[list[int]]:
         yield counted
     finally:
         muon_module.newton_schulz_batched = real  # type: ignore[assignment]
+
+
+@pytest.fixture
+def no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No process group and none of torchrun's variables: a plain one-process run."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
+        monkeypatch.delenv(name, raising=False)

@@ -7,6 +7,7 @@ Distributed checks run in one spawn per world size (each spawn costs seconds):
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -221,8 +222,10 @@ def _check_guide_blocks(rank: int, world_size: int) -> None:
 
 
 def _check_hsdp(rank: int, world_size: int) -> None:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = fully_shard(_model(), mesh=mesh)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # what torchrun sets for 2 nodes of 2 processes
+    model = fully_shard(_model(), mesh="hsdp")  # HSDP's default: (nodes, processes per node)
+    mesh = next(model.parameters()).device_mesh
+    assert mesh.shape == (2, 2) and mesh.mesh_dim_names == ("replicate", "shard")
     assert all(isinstance(layer, FSDPModule) for layer in model.layers)
     # Every rank is its own data-parallel replica of the batch (2 x 2 = 4 ways).
     _check_matches_reference(model, (Replicate(), Shard(0)), rank, world_size)
@@ -279,13 +282,6 @@ def test_one_process_initializes_from_env_and_scales_exactly(torchrun_env: None)
     _check_scaling(model, 0, 1)
 
 
-@pytest.fixture
-def no_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not dist.is_initialized()
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.mark.usefixtures("no_process_group")
 def test_init_device_mesh_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(
@@ -328,7 +324,8 @@ def test_npu_without_torch_npu_names_the_install_command(monkeypatch: pytest.Mon
     ("kwargs", "error", "match"),
     [
         ({"module": "model"}, TypeError, "expects an nn.Module"),
-        ({"mesh": "cpu"}, TypeError, "mesh must be a torch DeviceMesh"),
+        ({"mesh": "cpu"}, ValueError, r"mesh='cpu': the one mesh named by a string is 'hsdp'"),
+        ({"mesh": 3}, TypeError, r"mesh must be a torch DeviceMesh, 'hsdp' or None, got int"),
         ({"blocks": "layers"}, TypeError, "blocks must be None .* or a predicate"),
         ({"blocks": [1]}, TypeError, "blocks must hold nn.Module"),
         ({"blocks": [nn.Linear(2, 2)]}, ValueError, "is not a submodule"),

@@ -84,7 +84,7 @@ def test_a_killed_rank_restarts_and_ends_like_an_uninterrupted_run(tmp_path: Pat
     assert straight.returncode == 0, straight.stderr[-4000:]
     # rank 1 dies hard at its 9th step; torchrun restarts both ranks, which resume from step 8
     faulted = _torchrun(
-        str(TESTS / "scripts" / "train_with_fault.py"), "9", "--", *common,
+        str(TESTS / "scripts" / "train_with_fault.py"), "9", "1", "--", *common,
         "--out", str(tmp_path / "faulted"), "--checkpoint-dir", str(tmp_path / "faulted" / "ckpt"),
         "--resume", restarts=1,
     )  # fmt: skip

@@ -147,6 +147,11 @@ def _train_placed(
     finally:
         metrics.close()
     summary = _summary(config, data, results)
+    if placement.mesh is not None:
+        summary["mesh"] = {
+            "shape": list(placement.mesh.shape),
+            "dim_names": list(placement.mesh.mesh_dim_names or ()),
+        }
     if main:
         plot_losses(results, config.out / "loss_curves.png", title=f"{data.source}")
         summary_path = config.out / "summary.json"

@@ -69,16 +69,12 @@ def place(config: TrainConfig) -> Placement:
 
 
 def _mesh(sharding: str, backend: str, world: int) -> Any:
-    """A 1-D mesh for fsdp; for hsdp, (replicate, shard) with shards of 2 where that fits."""
-    from hyper_parallel.core.distributed import init_device_mesh
+    """A 1-D mesh for fsdp; for hsdp, (nodes, processes per node) (``hsdp_mesh``)."""
+    from hyper_parallel.core.distributed import hsdp_mesh, init_device_mesh
 
-    if backend == "hsdp":
-        shard = 2 if world % 2 == 0 and world >= 4 else world
-        shape: tuple[int, ...] = (world // shard, shard)
-        names: tuple[str, ...] = ("replicate", "shard")
-    else:
-        shape, names = (world,), ("shard",)
     try:
-        return init_device_mesh("auto", shape, mesh_dim_names=names)
+        if backend == "hsdp":
+            return hsdp_mesh()
+        return init_device_mesh("auto", (world,), mesh_dim_names=("shard",))
     except (RuntimeError, ValueError, ImportError) as exc:
         raise TrainError(f"--sharding {sharding}: {exc}") from None

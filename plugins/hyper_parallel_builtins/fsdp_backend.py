@@ -274,8 +274,9 @@ class HSDPBackend(FSDPBackend):
         return super().accepts(params) and all(mesh.ndim == 2 for mesh in meshes)
 
     def shard_model(self, module: nn.Module, **options: Any) -> nn.Module:
-        mesh = options.get("mesh")
-        if mesh is not None and mesh.ndim != 2:
+        """HSDP on ``mesh``; without one, on ``(nodes, processes per node)`` (``hsdp_mesh``)."""
+        mesh = options.setdefault("mesh", "hsdp")
+        if mesh != "hsdp" and mesh.ndim != 2:
             raise HyperParallelValueError(
                 f"The 'hsdp' backend shards over a 2-D (replicate, shard) mesh; got a "
                 f"{mesh.ndim}-D mesh. Use 'fsdp' for a 1-D mesh."

@@ -1,10 +1,10 @@
-"""``hyper-parallel train`` under torchrun, with rank 1 killed mid-way on the first attempt.
+"""``hyper-parallel train`` under torchrun, with one rank killed mid-way on the first attempt.
 
-Usage: torchrun --max-restarts 1 ... train_with_fault.py KILL_AT_STEP -- <train arguments>
-On the first attempt (TORCHELASTIC_RESTART_COUNT == 0) rank 1 exits hard at
-its KILL_AT_STEP-th training step; torchrun restarts every rank, and
-``--resume`` continues from the last checkpoint. Used by
-``tests/test_torchrun.py``.
+Usage: torchrun --max-restarts 1 ... train_with_fault.py KILL_AT_STEP RANK -- <train arguments>
+On its node's first attempt (TORCHELASTIC_RESTART_COUNT == 0) global rank
+RANK exits hard at its KILL_AT_STEP-th training step; torchrun restarts every
+rank, and ``--resume`` continues from the last checkpoint. Used by
+``tests/test_torchrun.py`` and ``tests/test_multinode.py``.
 """
 
 import os
@@ -15,7 +15,7 @@ import torch
 from hyper_parallel.cli import main
 from hyper_parallel.train import TinyGPT
 
-kill_at = int(sys.argv[1])
+kill_at, kill_rank = int(sys.argv[1]), sys.argv[2]
 args = sys.argv[sys.argv.index("--") + 1 :]
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 real_loss = TinyGPT.loss
@@ -23,7 +23,7 @@ calls = {"n": 0}
 
 
 def loss_with_fault(self: TinyGPT, batch: torch.Tensor) -> torch.Tensor:
-    if self.training and first_attempt and os.environ.get("RANK") == "1":
+    if self.training and first_attempt and os.environ.get("RANK") == kill_rank:
         calls["n"] += 1
         if calls["n"] == kill_at:
             os._exit(17)  # a dead rank: no cleanup, no exception

@@ -20,7 +20,7 @@ from hyper_parallel.core.distributed.toolkit import Reducer
 if TYPE_CHECKING:
     from hyper_parallel.core.distributed._clip_grad import clip_grad_norm_
     from hyper_parallel.core.distributed._fsdp import fully_shard, set_gradient_scaling_factor
-    from hyper_parallel.core.distributed._mesh import init_device_mesh
+    from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh
 
 # Imported on first use: they need torch.distributed.tensor and FSDP, which a
 # process that only lists plugins or trains on one device never loads.
@@ -28,6 +28,7 @@ LAZY: dict[str, str] = {
     "clip_grad_norm_": "hyper_parallel.core.distributed._clip_grad",
     "fully_shard": "hyper_parallel.core.distributed._fsdp",
     "set_gradient_scaling_factor": "hyper_parallel.core.distributed._fsdp",
+    "hsdp_mesh": "hyper_parallel.core.distributed._mesh",
     "init_device_mesh": "hyper_parallel.core.distributed._mesh",
 }
 
@@ -44,6 +45,7 @@ __all__ = [
     "WholeMatrices",
     "clip_grad_norm_",
     "fully_shard",
+    "hsdp_mesh",
     "init_device_mesh",
     "resolve_backend",
     "set_gradient_scaling_factor",

@@ -19,7 +19,7 @@ import os
 import types
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from hyper_parallel.core._torch_private import fsdp_param_groups
-from hyper_parallel.core.distributed._mesh import init_device_mesh
+from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 
 __all__ = ["BlockPredicate", "GradientScaling", "fully_shard", "set_gradient_scaling_factor"]
@@ -204,20 +204,22 @@ def _install_hooks(module: nn.Module, scaling: GradientScaling) -> None:
             unit.set_all_reduce_hook(scaling)
 
 
-def _default_mesh() -> DeviceMesh:
-    if dist.is_initialized():
-        # A gloo-only group cannot drive an accelerator mesh even where one is present.
-        device = "cpu" if dist.get_backend() == "gloo" else "auto"
-        return init_device_mesh(device, (dist.get_world_size(),))
+def _default_mesh(*, hsdp: bool) -> DeviceMesh:
+    """A 1-D mesh over the world, or HSDP's ``(nodes, processes per node)``."""
+    # A gloo-only group cannot drive an accelerator mesh even where one is present.
+    device = "cpu" if dist.is_initialized() and dist.get_backend() == "gloo" else "auto"
+    if hsdp:
+        return hsdp_mesh(device)
+    world = dist.get_world_size() if dist.is_initialized() else None
     # init_device_mesh initializes the process group from torchrun's environment
     # (or says which variables are missing).
-    return init_device_mesh("auto", (int(os.environ.get("WORLD_SIZE") or 1),))
+    return init_device_mesh(device, (world or int(os.environ.get("WORLD_SIZE") or 1),))
 
 
 def fully_shard(
     module: ModuleT,
     *,
-    mesh: DeviceMesh | None = None,
+    mesh: DeviceMesh | Literal["hsdp"] | None = None,
     blocks: Sequence[nn.Module] | BlockPredicate | None = None,
     reshard_after_forward: bool | int = True,
     mp_policy: MixedPrecisionPolicy | None = None,
@@ -241,7 +243,9 @@ def fully_shard(
         module: The model. Its parameters may be on CPU, on meta, or on the
             mesh's device.
         mesh: A 1-D or 2-D ``DeviceMesh``; ``None`` builds a 1-D mesh over the
-            world on the default device (``init_device_mesh("auto", world)``).
+            world on the default device (``init_device_mesh("auto", world)``);
+            ``"hsdp"`` builds HSDP's default mesh, ``(nodes, processes per
+            node)`` (:func:`hsdp_mesh`).
         blocks: The submodules that become their own FSDP units. ``None``
             finds them: the children of the first ``nn.ModuleList`` /
             ``nn.Sequential`` holding two or more modules of one class (e.g.
@@ -274,9 +278,14 @@ def fully_shard(
             f"{type(module).__name__} is already sharded by FSDP (FSDP units: "
             f"{', '.join(already[:5])}); call fully_shard once, on the unsharded model."
         )
-    if mesh is not None and not isinstance(mesh, DeviceMesh):
+    if isinstance(mesh, str) and mesh != "hsdp":
+        raise HyperParallelValueError(
+            f"mesh={mesh!r}: the one mesh named by a string is 'hsdp'; pass a DeviceMesh "
+            "(init_device_mesh) or None for a 1-D mesh over the world."
+        )
+    if mesh is not None and not isinstance(mesh, (DeviceMesh, str)):
         raise HyperParallelTypeError(
-            f"mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}."
+            f"mesh must be a torch DeviceMesh, 'hsdp' or None, got {type(mesh).__name__}."
         )
     if not isinstance(reshard_after_forward, int):
         raise HyperParallelTypeError(
@@ -291,8 +300,8 @@ def fully_shard(
             f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}."
         )
     units = _select_blocks(module, blocks)
-    if mesh is None:
-        mesh = _default_mesh()
+    if mesh is None or mesh == "hsdp":
+        mesh = _default_mesh(hsdp=mesh == "hsdp")
     if mesh.ndim not in (1, 2):
         raise HyperParallelValueError(
             f"fully_shard needs a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP); "

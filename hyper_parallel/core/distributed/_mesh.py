@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import time
+import uuid
 from collections.abc import Sequence
 
 import torch
@@ -26,7 +28,13 @@ from hyper_parallel.core.errors import (
     HyperParallelValueError,
 )
 
-__all__ = ["BACKEND_FOR_DEVICE", "init_device_mesh", "resolve_device_type"]
+__all__ = [
+    "BACKEND_FOR_DEVICE",
+    "hsdp_mesh",
+    "hsdp_mesh_shape",
+    "init_device_mesh",
+    "resolve_device_type",
+]
 
 #: The collective backend each supported device type communicates with.
 BACKEND_FOR_DEVICE: dict[str, str] = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
@@ -137,7 +145,7 @@ def _init_process_group_from_env(device_type: str) -> None:
         # NCCL/HCCL communicators bind to the current device: select it before init.
         local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
         getattr(torch, device_type).set_device(local_rank)
-    store = _restart_scoped_agent_store()
+    store = _attempt_scoped_agent_store()
     if store is None:
         dist.init_process_group(backend=BACKEND_FOR_DEVICE[device_type])
     else:
@@ -149,32 +157,65 @@ def _init_process_group_from_env(device_type: str) -> None:
         )
 
 
-def _restart_scoped_agent_store() -> Store | None:
-    """torchrun's shared store, with keys scoped to this restart; ``None`` where not needed.
+def _attempt_scoped_agent_store() -> Store | None:
+    """torchrun's shared store, with keys scoped to this attempt of the job; ``None`` where unshared.
 
-    torchrun's agent hosts one TCPStore for the whole job and hands it to every
-    restart of the workers (``TORCHELASTIC_USE_AGENT_STORE=True``). The process
-    group's rendezvous keys from a failed attempt are still in it, so after
-    ``--max-restarts`` brings the workers back, gloo reads the dead ranks'
-    addresses and ``init_process_group`` hangs until its timeout. Prefixing the
-    keys with the restart count gives every attempt its own.
-
-    Only on a single node: each node's agent counts its own restarts, so across
-    nodes the counts can differ. There, torch's opt-out
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt a fresh store.
+    torchrun's agents host one TCPStore for the whole job and hand it to every
+    restart of the workers (``TORCHELASTIC_USE_AGENT_STORE=True``). The
+    process group's rendezvous keys from a failed attempt are still in it, so
+    after ``--max-restarts`` brings the workers back, gloo would read the dead
+    ranks' addresses. Every attempt therefore gets a namespace of its own,
+    named by a token its ranks agree on (:func:`agree_on_attempt_token`).
+    The agents' restart counts cannot name it: an agent whose workers were
+    healthy restarts them without counting, so across nodes they differ.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
         return None
     agent_store = TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         int(os.environ["WORLD_SIZE"]),
         is_master=False,
+        timeout=dist.default_pg_timeout,
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return PrefixStore(f"hyper_parallel/attempt_{attempt}", agent_store)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    token = agree_on_attempt_token(agent_store, rank, world_size)
+    return PrefixStore(f"{_HANDSHAKE}/{token}", agent_store)
+
+
+#: Key prefix of the attempt handshake in torchrun's shared store.
+_HANDSHAKE = "hyper_parallel/attempt"
+
+
+def agree_on_attempt_token(
+    store: TCPStore, rank: int, world_size: int, *, poll_seconds: float = 0.005
+) -> str:
+    """A token new to this attempt, the same on every rank, agreed through a store earlier attempts used.
+
+    Rank 0 draws it. Every other rank asks for it under a nonce it has just
+    drawn and waits for the answer under a key named by that nonce: no
+    earlier attempt can have written that key, so no rank reads a dead
+    rank's answer. Rank 0 answers every question in the store (stale ones
+    too, harmlessly) until every rank has confirmed under the new token.
+    Each step is a key no earlier attempt wrote, so the handshake holds
+    whatever state a killed attempt left behind.
+    """
+    asks, ready = f"{_HANDSHAKE}/asks", f"{_HANDSHAKE}/ready/"
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.append(asks, f"{nonce},")  # type: ignore[attr-defined]  # missing from torch's stubs
+        token = store.get(f"{_HANDSHAKE}/answer/{nonce}").decode()
+        store.add(ready + token, 1)
+        return token
+    token = uuid.uuid4().hex
+    read = 0  # characters of the asks already answered
+    while store.add(ready + token, 0) < world_size - 1:
+        pending = store.get(asks).decode()[read:] if store.check([asks]) else ""
+        for nonce in filter(None, pending.split(",")):
+            store.set(f"{_HANDSHAKE}/answer/{nonce}", token)
+        read += len(pending)
+        time.sleep(poll_seconds)
+    return token
 
 
 def init_device_mesh(
@@ -225,3 +266,45 @@ def init_device_mesh(
     if not initialized:
         _init_process_group_from_env(device)
     return _torch_init_device_mesh(device, shape, mesh_dim_names=names)
+
+
+def hsdp_mesh_shape() -> tuple[int, int]:
+    """HSDP's default ``(replicate, shard)`` shape: ``(nodes, processes per node)``.
+
+    Read from torchrun's environment (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``),
+    or from the initialized process group on one node: parameters are
+    sharded within a node, over its fast links, and replicated across nodes.
+
+    Raises:
+        RuntimeError: neither torchrun's environment nor a process group.
+        ValueError: a world size that is not a whole number of nodes.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    env_world = os.environ.get("WORLD_SIZE")
+    if env_world is None and not initialized:
+        raise HyperParallelRuntimeError(
+            "hsdp_mesh needs torchrun's environment (WORLD_SIZE, LOCAL_WORLD_SIZE) or an "
+            "initialized process group; launch with `torchrun --nnodes N --nproc_per_node P`."
+        )
+    world = dist.get_world_size() if initialized else int(env_world or 1)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    if per_node < 1 or world % per_node:
+        raise HyperParallelValueError(
+            f"the world size {world} is not a whole number of nodes of LOCAL_WORLD_SIZE="
+            f"{per_node} processes; launch the same --nproc_per_node on every node, or pass "
+            "a mesh of your own."
+        )
+    return world // per_node, per_node
+
+
+def hsdp_mesh(device_type: str = "auto") -> DeviceMesh:
+    """The default HSDP mesh: ``(nodes, processes per node)``, named ``("replicate", "shard")``.
+
+    Example (under ``torchrun --nnodes 2 --nproc_per_node 4``: a 2 x 4 mesh)::
+
+        model = fully_shard(model, mesh=hsdp_mesh())
+
+    ``fully_shard(model, mesh="hsdp")`` and ``hyper-parallel train --sharding
+    hsdp`` use it. The shape comes from :func:`hsdp_mesh_shape`.
+    """
+    return init_device_mesh(device_type, hsdp_mesh_shape(), mesh_dim_names=("replicate", "shard"))
