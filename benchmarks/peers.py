@@ -85,8 +85,12 @@ def _load(name: str, ns_dtype: str, build: Callable[[], OptimizerFactory]) -> Mu
         return MuonPeer(name, ns_dtype, reason=reason)
 
 
-def muon_peers(lr: float) -> list[MuonPeer]:
-    """Every peer Muon, each at its own defaults but ``lr``."""
+#: The peer Muons, by the name each row gives it.
+MUON_PEER_NAMES = ("torch.optim.Muon", "timm", "heavyball", "pytorch_optimizer")
+
+
+def muon_peers(lr: float, names: tuple[str, ...] = MUON_PEER_NAMES) -> list[MuonPeer]:
+    """The peer Muons named (all by default), each at its own defaults but ``lr``."""
     _use_peer_dir()
 
     def torch_muon() -> OptimizerFactory:
@@ -108,12 +112,13 @@ def muon_peers(lr: float) -> list[MuonPeer]:
         # its Muon updates only the groups marked ``use_muon`` (the rest get AdamW)
         return lambda params: module.Muon([{"params": params, "use_muon": True}], lr=lr)
 
-    return [
-        _load("torch.optim.Muon", "bf16", torch_muon),
-        _load("timm", "bf16", timm),
-        _load("heavyball", "bf16 (stochastic rounding)", heavyball),
-        _load("pytorch_optimizer", "bf16", pytorch_optimizer),
-    ]
+    loaders = {
+        "torch.optim.Muon": ("bf16", torch_muon),
+        "timm": ("bf16", timm),
+        "heavyball": ("bf16 (stochastic rounding)", heavyball),
+        "pytorch_optimizer": ("bf16", pytorch_optimizer),
+    }
+    return [_load(name, *loaders[name]) for name in MUON_PEER_NAMES if name in names]
 
 
 def peer_versions() -> dict[str, str]:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.peers import install_peers, muon_peers, peer_versions
+from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
 
 __all__ = ["CASES", "Row", "expert_shapes", "main", "plot_label", "transformer_shapes"]
 
@@ -79,6 +79,7 @@ class Settings:
     repeats: int = 5
     device: str = "cpu"
     peers: bool = True
+    muon_peer_names: tuple[str, ...] = MUON_PEER_NAMES
     dist_dims: tuple[int, ...] = (256, 512)
     dist_layers: int = 4
     dist_tp_dim: int = 256  # FSDP x TP rows: 4 processes, so smaller
@@ -207,7 +208,7 @@ def case_muon(settings: Settings) -> Iterator[Row]:
     from hyper_parallel_builtins.muon import Muon, default_ns_dtype
 
     device = settings.device
-    peers = muon_peers(LR) if settings.peers else []
+    peers = muon_peers(LR, settings.muon_peer_names) if settings.peers else []
     default_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[
         default_ns_dtype(torch.empty(0, device=device))
     ]
@@ -231,6 +232,8 @@ def case_muon(settings: Settings) -> Iterator[Row]:
         medians, first = _interleaved_medians(steps, settings.repeats, device)
         command = _command("muon", settings, f"--dims {settings.dims[0]}" if "expert" in what
                            else f"--dims {what.split('d=')[1].split(')')[0]}")  # fmt: skip
+        if settings.muon_peer_names != MUON_PEER_NAMES:
+            command += f" --muon-peers {','.join(settings.muon_peer_names)}"
         for peer in peers or [None]:
             label = peer.name if peer else "(peers not measured)"
             value = medians.get(label)
@@ -668,6 +671,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="auto",
                         help="cpu, cuda, or auto: cuda where present, else cpu")  # fmt: skip
     parser.add_argument("--no-peers", action="store_true", help="measure ours alone")
+    parser.add_argument("--muon-peers", metavar="NAMES",
+                        help=f"comma-separated, from {', '.join(MUON_PEER_NAMES)} (default: all)")  # fmt: skip
     parser.add_argument("--install-peers", action="store_true",
                         help="pip-install the peers into .bench-peers/ first (--no-deps)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows and the machine here")
@@ -696,6 +701,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats:
         settings.repeats = args.repeats
     settings.peers = not args.no_peers
+    if args.muon_peers:
+        chosen = tuple(n.strip() for n in args.muon_peers.split(",") if n.strip())
+        if not chosen or set(chosen) - set(MUON_PEER_NAMES):
+            parser.error(
+                f"--muon-peers {args.muon_peers}: choose from {', '.join(MUON_PEER_NAMES)}"
+            )
+        settings.muon_peer_names = chosen
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
