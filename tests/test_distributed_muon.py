@@ -21,7 +21,7 @@ STEPS = 5
 
 
 @contextmanager
-def exchange_options(*, overlap: bool) -> Iterator[None]:
+def exchange_options(*, overlap: bool, transport: str = "auto") -> Iterator[None]:
     """Backends made in the block overlap the exchange or not, with one matrix per bucket and owner.
 
     The default floor on bucket size makes a small model's exchange one
@@ -30,17 +30,20 @@ def exchange_options(*, overlap: bool) -> Iterator[None]:
     """
     import hyper_parallel_builtins.fsdp_backend as fsdp_backend
 
-    floor, switch = fsdp_backend.MIN_BUCKET_BYTES, os.environ.get(fsdp_backend.OVERLAP_ENV)
+    floor = fsdp_backend.MIN_BUCKET_BYTES
+    names = (fsdp_backend.OVERLAP_ENV, fsdp_backend.TRANSPORT_ENV)
+    before = {name: os.environ.get(name) for name in names}
     fsdp_backend.MIN_BUCKET_BYTES = 1
-    os.environ[fsdp_backend.OVERLAP_ENV] = "1" if overlap else "0"
+    os.environ.update(zip(names, ("1" if overlap else "0", transport), strict=True))
     try:
         yield
     finally:
         fsdp_backend.MIN_BUCKET_BYTES = floor
-        if switch is None:
-            del os.environ[fsdp_backend.OVERLAP_ENV]
-        else:
-            os.environ[fsdp_backend.OVERLAP_ENV] = switch
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def assert_bitwise_equal(model: torch.nn.Module, other: torch.nn.Module, label: str) -> None:
@@ -86,6 +89,21 @@ def test_overlap_switch_is_read_when_the_backend_is_made(monkeypatch: pytest.Mon
         FSDPBackend()
     with pytest.raises(ValueError, match=r"overlap should be True or False, got 'yes'"):
         FSDPBackend(overlap="yes")  # type: ignore[arg-type]
+
+
+def test_transport_is_checked_when_the_backend_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyper_parallel_builtins.fsdp_backend import TRANSPORT_ENV, FSDPBackend
+
+    monkeypatch.delenv(TRANSPORT_ENV, raising=False)
+    assert FSDPBackend().transport == "auto"
+    assert FSDPBackend(transport="all_gather").transport == "all_gather"
+    monkeypatch.setenv(TRANSPORT_ENV, "all_to_all")
+    assert FSDPBackend().transport == "all_to_all"
+    with pytest.raises(ValueError, match=r"transport='ring' is not a transport; choose auto, "):
+        FSDPBackend(transport="ring")
+    monkeypatch.setenv(TRANSPORT_ENV, "gather_broadcast")
+    with pytest.raises(ValueError, match=r"HYPER_PARALLEL_TRANSPORT='gather_broadcast' is not"):
+        FSDPBackend()
 
 
 def test_a_backend_without_its_own_map_prepared_blocks_prepares_everything_first() -> None:
@@ -175,9 +193,9 @@ def _check_against_one_process(mesh: Any, rows: slice, label: str) -> None:
     with exchange_options(overlap=True):
         opt = _optimizer(model)
         _train(model, opt, batch[rows])
-    with exchange_options(overlap=False):
+    with exchange_options(overlap=False, transport="all_gather"):
         _train(in_turn, _optimizer(in_turn), batch[rows])
-    assert_bitwise_equal(model, in_turn, f"{label}: with and without overlap")
+    assert_bitwise_equal(model, in_turn, f"{label}: overlapped auto, all_gather in turn")
 
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(
@@ -272,7 +290,6 @@ def _check_prepare_order(mesh: Any, world_size: int) -> None:
     needs = [RowBlocks((8,) * world_size), WholeMatrices(), WholeMatrices()]
     expected = [torch.cat(_blockwise(list((2 * heads).split(8)))),
                 _blockwise([2 * moving])[0], _blockwise([2 * plain])[0]]  # fmt: skip
-    exchange = dist.all_to_all_single
     for overlap in (True, False):
         events: list[Any] = []
 
@@ -280,21 +297,35 @@ def _check_prepare_order(mesh: Any, world_size: int) -> None:
             events.append(sorted(positions))
             return [2 * layouts[i] for i in positions]
 
-        def exchanging(*args: Any, events: list[Any] = events, **kwargs: Any) -> Any:
-            events.append("exchange")
-            return exchange(*args, **kwargs)
-
-        dist.all_to_all_single = exchanging  # type: ignore[assignment]
-        try:
+        with recording_exchanges(events):
             backend = FSDPBackend(overlap=overlap)
             results = backend.map_prepared_blocks(_blockwise, prepare, layouts, needs)
-        finally:
-            dist.all_to_all_single = exchange  # type: ignore[assignment]
         held_after = ["exchange", [0, 2]] if overlap else [[0, 2], "exchange"]
         assert events == [[1], *held_after, "exchange"], (overlap, events)
         for got, want in zip(results, expected, strict=True):
             full = got.full_tensor() if hasattr(got, "full_tensor") else got
             torch.testing.assert_close(full, want, msg=f"overlap={overlap}")
+
+
+@contextmanager
+def recording_exchanges(events: list[Any]) -> Iterator[None]:
+    """Append ``"exchange"`` to ``events`` at each owner-exchange collective, either transport."""
+    real = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_single")}
+
+    def recording(collective: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            events.append("exchange")
+            return collective(*args, **kwargs)
+
+        return call
+
+    for name, collective in real.items():
+        setattr(dist, name, recording(collective))
+    try:
+        yield
+    finally:
+        for name, collective in real.items():
+            setattr(dist, name, collective)
 
 
 def _exchange_order(model: torch.nn.Module, *, overlap: bool) -> list[str]:
@@ -303,24 +334,20 @@ def _exchange_order(model: torch.nn.Module, *, overlap: bool) -> list[str]:
     from hyper_parallel.core.optimizer import Muon
 
     events: list[str] = []
-    exchange, compute = dist.all_to_all_single, muon_module.newton_schulz_batched
-
-    def exchanging(*args: Any, **kwargs: Any) -> Any:
-        events.append("exchange")
-        return exchange(*args, **kwargs)
+    compute = muon_module.newton_schulz_batched
 
     def computing(*args: Any, **kwargs: Any) -> Any:
         events.append("compute")
         return compute(*args, **kwargs)
 
     matrices = [p for p in model.parameters() if p.ndim == 2 and p.grad is not None]
-    with exchange_options(overlap=overlap):
+    with exchange_options(overlap=overlap), recording_exchanges(events):  # type: ignore[arg-type]
         opt = Muon(matrices, lr=0.02)
-        dist.all_to_all_single, muon_module.newton_schulz_batched = exchanging, computing  # type: ignore[assignment]
+        muon_module.newton_schulz_batched = computing  # type: ignore[assignment]
         try:
             opt.step()
         finally:
-            dist.all_to_all_single, muon_module.newton_schulz_batched = exchange, compute  # type: ignore[assignment]
+            muon_module.newton_schulz_batched = compute
     return events
 
 

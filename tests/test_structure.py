@@ -106,6 +106,7 @@ PUBLIC_MODULES = [
     "hyper_parallel",
     "hyper_parallel.checkpoint",
     "hyper_parallel.core.distributed",
+    "hyper_parallel.core.distributed.cost",
     "hyper_parallel.core.distributed.toolkit",
     "hyper_parallel.core.errors",
     "hyper_parallel.core.optimizer",

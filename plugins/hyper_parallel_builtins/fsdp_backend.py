@@ -15,12 +15,18 @@ Who computes what, for each param a matrix optimizer hands over:
 * **Owner exchange.** Every other param gets one owner rank, chosen
   greedily by cost so the work is balanced over every rank of the mesh
   (replicas included). The owned params are taken in buckets, each giving
-  every owner a share of its work: per bucket, one ``all_to_all_single``
-  brings each distinct piece of a param to its owner (one holder sends each
-  piece, the owner itself where it holds one); the owner assembles the
-  whole tensors, runs the transform on all it owns in the bucket in one
-  call, and a second ``all_to_all_single`` returns to every rank its own
-  piece of the result.
+  every owner a share of its work: per bucket, one collective brings each
+  distinct piece of a param to its owner (one holder sends each piece, the
+  owner itself where it holds one); the owner assembles the whole tensors,
+  runs the transform on all it owns in the bucket in one call, and a second
+  collective returns to every rank its own piece of the result.
+
+**Transport:** both trips of a bucket travel by ``all_to_all_single`` (each
+rank sends each owner what it needs) or ``all_gather_single`` (every rank
+gets everything, padded, and keeps its part: more bytes, fewer costly
+messages). ``transport="auto"`` (the default) picks per bucket by the cost
+model of :mod:`hyper_parallel.core.distributed.cost` and the device's
+profile; every rank predicts the same, so they agree without talking.
 
 **Overlap** (the default): the collectives are asynchronous. The first
 bucket is sent before the in-place blocks are made (``map_prepared_blocks``:
@@ -39,6 +45,7 @@ one collective, and reused every step.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -55,6 +62,13 @@ from hyper_parallel.core.distributed import (
     PrepareFn,
     RowBlocks,
     ShardingBackend,
+)
+from hyper_parallel.core.distributed.cost import (
+    TRANSPORTS,
+    SizeMatrix,
+    choose_transport,
+    device_profile,
+    gather_width,
 )
 from hyper_parallel.core.distributed.toolkit import (
     DEFAULT_BUCKET_BYTES,
@@ -78,11 +92,22 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-__all__ = ["MIN_BUCKET_BYTES", "OVERLAP_BUCKETS", "OVERLAP_ENV", "FSDPBackend", "HSDPBackend"]
+__all__ = [
+    "MIN_BUCKET_BYTES",
+    "OVERLAP_BUCKETS",
+    "OVERLAP_ENV",
+    "TRANSPORT_ENV",
+    "FSDPBackend",
+    "HSDPBackend",
+]
 
 #: Environment variable read when a backend is made without ``overlap``: ``1`` (the
 #: default when unset) overlaps the owner exchange with the transform, ``0`` does not.
 OVERLAP_ENV = "HYPER_PARALLEL_EXCHANGE_OVERLAP"
+
+#: Environment variable read when a backend is made without ``transport``: ``auto`` (the
+#: default when unset), ``all_to_all`` or ``all_gather``.
+TRANSPORT_ENV = "HYPER_PARALLEL_TRANSPORT"
 
 #: Buckets the owner exchange is cut into, each giving every owner about this share of
 #: its work: the first bucket's trip to its owners and the last one's trip back are what
@@ -134,13 +159,12 @@ class _Assembly:
 class _Bucket:
     """What this rank sends, receives, transforms and gets back for one bucket of owned params."""
 
-    dtype: torch.dtype
     send: tuple[tuple[int, ...], ...]  # by rank: indices of this rank's shards sent there
-    recv_sizes: tuple[int, ...]  # elements from each rank
     owned: tuple[_Assembly, ...]  # the params this rank owns in the bucket
     back: tuple[tuple[tuple[int, Layout], ...], ...]  # by rank: (index, its layout) of results
-    back_sizes: tuple[int, ...]  # elements each rank returns here
     land: tuple[tuple[int, int, int], ...]  # (index, owner, offset) of every param in the bucket
+    trips: tuple[SizeMatrix, SizeMatrix]  # elements rank q sends rank o: to owners, and back
+    transport: str  # how both trips travel (hyper_parallel.core.distributed.cost)
 
 
 @dataclass(frozen=True)
@@ -172,21 +196,34 @@ class FSDPBackend(ShardingBackend):
             it): ``$HYPER_PARALLEL_EXCHANGE_OVERLAP`` as it is now, ``1``
             (the default when unset) or ``0``. The results are bitwise the
             same either way.
+        transport: How each bucket travels: ``"all_to_all"``,
+            ``"all_gather"``, or ``"auto"`` (the faster for that bucket by
+            :mod:`hyper_parallel.core.distributed.cost` and this device's
+            profile). ``None``: ``$HYPER_PARALLEL_TRANSPORT``, else
+            ``"auto"``. The results are bitwise the same whichever travels.
 
     Raises:
-        ValueError: ``overlap`` is not a bool, or the environment variable is
-            set to something other than ``1``/``0`` (``true``/``false``,
+        ValueError: ``overlap`` is not a bool, ``transport`` (or its
+            variable) is none of those, or the overlap variable is set to
+            something other than ``1``/``0`` (``true``/``false``,
             ``on``/``off``).
     """
 
     name: ClassVar[str] = "fsdp"
 
-    def __init__(self, overlap: bool | None = None) -> None:
+    def __init__(self, overlap: bool | None = None, transport: str | None = None) -> None:
         if overlap is None:
             overlap = _overlap_from_env()
         elif not isinstance(overlap, bool):
             raise HyperParallelValueError(f"overlap should be True or False, got {overlap!r}.")
-        self.overlap = overlap
+        origin = "transport"
+        if transport is None:
+            transport, origin = os.environ.get(TRANSPORT_ENV) or "auto", TRANSPORT_ENV
+        if transport not in ("auto", *TRANSPORTS):
+            raise HyperParallelValueError(
+                f"{origin}={transport!r} is not a transport; choose auto, {', '.join(TRANSPORTS)}."
+            )
+        self.overlap, self.transport = overlap, transport
         self._plans: dict[tuple[Any, ...], _Plan] = {}
 
     def accepts(self, params: Sequence[torch.Tensor]) -> bool:
@@ -259,7 +296,7 @@ class FSDPBackend(ShardingBackend):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = _make_plan(
-                [tensors[i] for i in indices], [needs[i] for i in indices], cost
+                [tensors[i] for i in indices], [needs[i] for i in indices], cost, self.transport
             )
         return plan
 
@@ -295,7 +332,10 @@ def _block_shapes(shape: torch.Size, need: Need) -> list[torch.Size]:
 
 
 def _make_plan(
-    tensors: list[torch.Tensor], needs: list[Need], cost: Callable[[torch.Size], float] | None
+    tensors: list[torch.Tensor],
+    needs: list[Need],
+    cost: Callable[[torch.Size], float] | None,
+    transport: str,
 ) -> _Plan:
     group = exchange_group(cast("DTensor", tensors[0]).device_mesh)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -314,9 +354,25 @@ def _make_plan(
     nbytes = [tensors[o.index].numel() * tensors[o.index].element_size() for o in owned]
     dtypes = [tensors[o.index].dtype for o in owned]
     rounds = exchange_rounds(nbytes, dtypes, owners, world, _bucket_bytes(nbytes, owners, world))
-    buckets = tuple(_bucket([owned[k] for k in round_], tensors, rank, world) for round_ in rounds)
+    buckets = tuple(
+        _bucket([owned[k] for k in round_], tensors, rank, world, transport) for round_ in rounds
+    )
     mine = tuple(layouts[i][rank] for i in range(len(tensors)))
     return _Plan(group, rank, mine, in_place, buckets)
+
+
+def _trip_sizes(items: list[_Owned], world: int) -> tuple[SizeMatrix, SizeMatrix]:
+    """Elements each rank sends each other rank: pieces to their owners, and results back."""
+    to_owners = [[0] * world for _ in range(world)]
+    back = [[0] * world for _ in range(world)]
+    for item in items:
+        for piece in item.pieces:
+            if piece.sender != item.owner:
+                to_owners[piece.sender][item.owner] += piece.layout.numel
+        for rank, layout in enumerate(item.layouts):
+            if rank != item.owner:
+                back[item.owner][rank] += layout.numel
+    return tuple(map(tuple, to_owners)), tuple(map(tuple, back))
 
 
 def _bucket_bytes(nbytes: list[int], owners: list[int], world: int) -> int:
@@ -340,8 +396,14 @@ def _pieces(layouts: list[Layout], owner: int, salt: int) -> tuple[_Piece, ...]:
     )
 
 
-def _bucket(items: list[_Owned], tensors: list[torch.Tensor], me: int, world: int) -> _Bucket:
-    """This rank's part of exchanging ``items``: the orders and offsets both collectives use."""
+def _bucket(
+    items: list[_Owned], tensors: list[torch.Tensor], me: int, world: int, transport: str
+) -> _Bucket:
+    """This rank's part of exchanging ``items``: the orders and offsets both trips use.
+
+    ``transport="auto"`` takes the one the cost model predicts faster for
+    these trips on this device (every rank predicts the same).
+    """
     send: list[list[int]] = [[] for _ in range(world)]
     recv_sizes = [0] * world
     owned: list[_Assembly] = []
@@ -368,14 +430,17 @@ def _bucket(items: list[_Owned], tensors: list[torch.Tensor], me: int, world: in
         else:
             land.append((item.index, item.owner, back_sizes[item.owner]))
             back_sizes[item.owner] += item.layouts[me].numel
+    trips = _trip_sizes(items, world)
+    like = tensors[items[0].index]
+    if transport == "auto":
+        transport = choose_transport(trips, like.element_size(), device_profile(like.device.type))
     return _Bucket(
-        tensors[items[0].index].dtype,
         tuple(map(tuple, send)),
-        tuple(recv_sizes),
         tuple(owned),
         tuple(map(tuple, back)),
-        tuple(back_sizes),
         tuple(land),
+        trips,
+        transport,
     )
 
 
@@ -417,37 +482,48 @@ def _map_in_place(
 
 
 class _InFlight:
-    """One ``all_to_all_single`` started with ``async_op=True``; :meth:`wait` gives what arrived."""
+    """One trip of a bucket, started asynchronously; :meth:`wait` gives what arrived from each rank.
+
+    ``sizes[q][o]`` is what rank ``q`` sends rank ``o``; ``parts`` are this
+    rank's, by destination. ``all_to_all`` sends each rank its part;
+    ``all_gather`` gives every rank every rank's parts (padded to the
+    longest), and this rank keeps what was meant for it.
+    """
 
     def __init__(
         self,
         parts: Sequence[Sequence[torch.Tensor]],
-        recv_sizes: Sequence[int],
-        dtype: torch.dtype,
-        device: torch.device,
+        sizes: SizeMatrix,
+        me: int,
+        transport: str,
+        like: torch.Tensor,
         group: ProcessGroup,
     ) -> None:
         flat = [p.reshape(-1) for ps in parts for p in ps]
-        send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-        self._recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-        self._sizes = list(recv_sizes)
-        self._work = dist.all_to_all_single(
-            self._recv,
-            send,
-            output_split_sizes=self._sizes,
-            input_split_sizes=[sum(p.numel() for p in ps) for ps in parts],
-            group=group,
-            async_op=True,
-        )
+        send = torch.cat(flat) if flat else like.new_empty(0)
+        self._sizes = [row[me] for row in sizes]
+        if transport == "all_gather":
+            width = gather_width(sizes)
+            self._starts = [q * width + sum(row[:me]) for q, row in enumerate(sizes)]
+            self._recv = like.new_empty(width * len(sizes))
+            send = torch.cat([send, send.new_zeros(width - send.numel())])
+            self._work = dist.all_gather_single(self._recv, send, group=group, async_op=True)
+        else:
+            self._starts = [sum(self._sizes[:q]) for q in range(len(sizes))]
+            self._recv = like.new_empty(sum(self._sizes))
+            self._work = dist.all_to_all_single(
+                self._recv, send, output_split_sizes=self._sizes,
+                input_split_sizes=list(sizes[me]), group=group, async_op=True,
+            )  # fmt: skip
         self._send = send  # alive until the collective is done
 
     def wait(self) -> list[torch.Tensor]:
-        """Block until the exchange is done; what each rank sent here, one flat tensor per rank."""
+        """Block until the trip is done; what each rank sent here, one flat tensor per rank."""
         if self._work is not None:
             self._work.wait()
             self._work = None
             del self._send
-        return list(self._recv.split(self._sizes))
+        return [self._recv[a : a + n] for a, n in zip(self._starts, self._sizes, strict=True)]
 
 
 _Step = tuple[_Plan, list[int], _Bucket]  # a plan, its tensors' positions, one of its buckets
@@ -498,11 +574,8 @@ class _Exchange:
         """Start sending this rank's pieces of the bucket to their owners."""
         plan, positions, bucket = step
         parts = [[self.local[positions[i]] for i in indices] for indices in bucket.send]
-        return _InFlight(parts, bucket.recv_sizes, bucket.dtype, self._device(step), plan.group)
-
-    def _device(self, step: _Step) -> torch.device:
-        _, positions, bucket = step
-        return self.local[positions[bucket.land[0][0]]].device
+        like = self.local[positions[bucket.land[0][0]]]
+        return _InFlight(parts, bucket.trips[0], plan.rank, bucket.transport, like, plan.group)
 
     def _transform(self, step: _Step, received: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """Assemble the whole tensors this rank owns in the bucket; ``fn`` on their blocks, in one call."""
@@ -525,9 +598,10 @@ class _Exchange:
 
     def _return(self, step: _Step, results: dict[int, torch.Tensor]) -> _InFlight:
         """Start sending every rank its piece of each result this rank computed."""
-        plan, _, bucket = step
+        plan, positions, bucket = step
         parts = [[layout.take(results[i]) for i, layout in to] for to in bucket.back]
-        return _InFlight(parts, bucket.back_sizes, bucket.dtype, self._device(step), plan.group)
+        like = self.local[positions[bucket.land[0][0]]]
+        return _InFlight(parts, bucket.trips[1], plan.rank, bucket.transport, like, plan.group)
 
     def _land(
         self, step: _Step, results: dict[int, torch.Tensor], returned: list[torch.Tensor]

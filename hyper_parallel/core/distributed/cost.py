@@ -1,0 +1,201 @@
+"""The cost model of the owner exchange: bytes and seconds of each transport, from a device profile.
+
+A matrix optimizer's owner exchange (the ``fsdp`` backend) moves each bucket
+twice: pieces to their owners, results back. Either trip can travel by
+
+* ``all_to_all``: one ``all_to_all_single``; each rank sends each owner only
+  what that owner needs, in one message per peer;
+* ``all_gather``: one ``all_gather_single`` of every rank's pieces,
+  padded to the longest; every rank receives everything and keeps its part.
+  More bytes, but a ring collective: where per-peer messages are costly
+  (many ranks, small pieces) it is the faster.
+
+A trip is described by its size matrix ``sizes[q][o]``: the elements rank
+``q`` sends rank ``o``. The model is alpha-beta: a collective's seconds are
+its latency per message (all-to-all: per peer; all-gather: per ring step)
+plus seconds per byte of what the busiest rank moves. The figures come from
+a :class:`DeviceProfile`: built in per device type, measured by
+``python -m benchmarks.scale --calibrate``, or a JSON file named by
+``HYPER_PARALLEL_DEVICE_PROFILE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hyper_parallel.core.errors import HyperParallelValueError
+
+__all__ = [
+    "PROFILE_ENV",
+    "TRANSPORTS",
+    "DeviceProfile",
+    "LinkCost",
+    "choose_transport",
+    "device_profile",
+    "gather_width",
+    "transport_bytes",
+    "transport_seconds",
+]
+
+#: The ways a bucket's trip can travel (see the module docstring).
+TRANSPORTS = ("all_to_all", "all_gather")
+
+#: Environment variable naming a JSON device profile (see :meth:`DeviceProfile.from_json`).
+PROFILE_ENV = "HYPER_PARALLEL_DEVICE_PROFILE"
+
+SizeMatrix = Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """Seconds of a collective: ``latency_s`` per message or step, ``seconds_per_byte`` moved."""
+
+    latency_s: float
+    seconds_per_byte: float
+
+    def seconds(self, messages: int, nbytes: float) -> float:
+        return self.latency_s * messages + self.seconds_per_byte * nbytes
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What a device and its links do per second; :mod:`hyper_parallel.core.distributed.cost`.
+
+    Attributes:
+        name: What it describes (``"cpu-gloo"``, ``"h100-nvlink"``, ...).
+        all_to_all: Latency per peer message and seconds per byte.
+        all_gather: Latency per ring step and seconds per byte.
+        matmul_flops: Matrix-multiply FLOP/s by dtype name (``"float32"``,
+            ``"bfloat16"``).
+        source: Where the figures come from (a measurement command, or the
+            public documents they are taken from).
+    """
+
+    name: str
+    all_to_all: LinkCost
+    all_gather: LinkCost
+    matmul_flops: dict[str, float] = field(default_factory=dict)
+    source: str = ""
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> DeviceProfile:
+        """Read a profile written by :meth:`to_json` (or by hand: the same keys).
+
+        Raises:
+            ValueError: a file that is not such a profile, naming what is wrong.
+        """
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            return cls(
+                name=str(data["name"]),
+                all_to_all=LinkCost(**data["all_to_all"]),
+                all_gather=LinkCost(**data["all_gather"]),
+                matmul_flops={str(k): float(v) for k, v in data.get("matmul_flops", {}).items()},
+                source=str(data.get("source", "")),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise HyperParallelValueError(
+                f"device profile {path}: {type(exc).__name__}: {exc}. A profile is JSON with "
+                '"name", "all_to_all" and "all_gather" ({"latency_s": ..., "seconds_per_byte": '
+                '...}), and optional "matmul_flops" and "source".'
+            ) from None
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+
+    def link(self, transport: str) -> LinkCost:
+        if transport not in TRANSPORTS:
+            raise HyperParallelValueError(
+                f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}."
+            )
+        cost: LinkCost = getattr(self, transport)
+        return cost
+
+
+#: Measured on 2 CPU cores, gloo over loopback, 2 processes of 1 thread
+#: (``python -m benchmarks.scale --calibrate``).
+_CPU_GLOO = DeviceProfile(
+    name="cpu-gloo",
+    all_to_all=LinkCost(latency_s=1.5e-4, seconds_per_byte=1.0e-9),
+    all_gather=LinkCost(latency_s=1.5e-4, seconds_per_byte=1.0e-9),
+    matmul_flops={"float32": 1.1e11, "bfloat16": 1.3e10},
+    source="python -m benchmarks.scale --calibrate (2 cores, gloo, loopback)",
+)
+
+_BUILTIN: dict[str, DeviceProfile] = {"cpu": _CPU_GLOO}
+
+
+def device_profile(device_type: str = "cpu") -> DeviceProfile | None:
+    """The profile the ``auto`` transport uses: ``HYPER_PARALLEL_DEVICE_PROFILE``, else built in.
+
+    Returns ``None`` for a device type with no built-in profile and no file
+    named (``auto`` then takes ``all_to_all``).
+    """
+    path = os.environ.get(PROFILE_ENV)
+    if path:
+        return DeviceProfile.from_json(path)
+    return _BUILTIN.get(device_type)
+
+
+def transport_bytes(sizes: SizeMatrix, element_size: int, transport: str) -> list[tuple[int, int]]:
+    """Per rank, the bytes it hands a trip's collective and the bytes it gets from others.
+
+    ``all_to_all``: what it sends its peers, what its peers send it.
+    ``all_gather``: its padded contribution, and every other rank's.
+    """
+    world = len(sizes)
+    if transport == "all_to_all":
+        return [
+            (
+                sum(sizes[r][o] for o in range(world) if o != r) * element_size,
+                sum(sizes[q][r] for q in range(world) if q != r) * element_size,
+            )
+            for r in range(world)
+        ]
+    padded = gather_width(sizes) * element_size
+    return [(padded, padded * (world - 1))] * world
+
+
+def gather_width(sizes: SizeMatrix) -> int:
+    """Elements every rank contributes to an ``all_gather`` trip: the longest rank's, padded."""
+    return max((sum(row) for row in sizes), default=0)
+
+
+def transport_seconds(
+    sizes: SizeMatrix, element_size: int, transport: str, profile: DeviceProfile
+) -> float:
+    """Predicted seconds of one trip: the busiest rank's latency plus its bytes over the link."""
+    link, world = profile.link(transport), len(sizes)
+    moved = transport_bytes(sizes, element_size, transport)
+    if transport == "all_gather":
+        return link.seconds(world - 1, moved[0][1]) if world > 1 else 0.0
+    return max(
+        (
+            link.seconds(_peers(sizes, r), max(sent, received))
+            for r, (sent, received) in enumerate(moved)
+        ),
+        default=0.0,
+    )
+
+
+def _peers(sizes: SizeMatrix, rank: int) -> int:
+    return sum(1 for o in range(len(sizes)) if o != rank and (sizes[rank][o] or sizes[o][rank]))
+
+
+def choose_transport(
+    trips: Sequence[SizeMatrix], element_size: int, profile: DeviceProfile | None
+) -> str:
+    """The transport with the fewer predicted seconds over ``trips`` (``all_to_all`` on a tie).
+
+    Without a profile: ``all_to_all``.
+    """
+    if profile is None:
+        return "all_to_all"
+    seconds = {
+        t: sum(transport_seconds(s, element_size, t, profile) for s in trips) for t in TRANSPORTS
+    }
+    return min(TRANSPORTS, key=lambda t: (seconds[t], TRANSPORTS.index(t)))
