@@ -99,6 +99,7 @@ __all__ = [
     "TRANSPORT_ENV",
     "FSDPBackend",
     "HSDPBackend",
+    "bucket_bytes",
 ]
 
 #: Environment variable read when a backend is made without ``overlap``: ``1`` (the
@@ -353,7 +354,7 @@ def _make_plan(
     ]
     nbytes = [tensors[o.index].numel() * tensors[o.index].element_size() for o in owned]
     dtypes = [tensors[o.index].dtype for o in owned]
-    rounds = exchange_rounds(nbytes, dtypes, owners, world, _bucket_bytes(nbytes, owners, world))
+    rounds = exchange_rounds(nbytes, dtypes, owners, world, bucket_bytes(nbytes, owners, world))
     buckets = tuple(
         _bucket([owned[k] for k in round_], tensors, rank, world, transport) for round_ in rounds
     )
@@ -375,7 +376,7 @@ def _trip_sizes(items: list[_Owned], world: int) -> tuple[SizeMatrix, SizeMatrix
     return tuple(map(tuple, to_owners)), tuple(map(tuple, back))
 
 
-def _bucket_bytes(nbytes: list[int], owners: list[int], world: int) -> int:
+def bucket_bytes(nbytes: list[int], owners: list[int], world: int) -> int:
     """Whole-tensor bytes per owner and bucket: the busiest owner's share, within bounds."""
     per_owner = [0] * world
     for n, owner in zip(nbytes, owners, strict=True):

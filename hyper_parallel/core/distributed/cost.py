@@ -22,6 +22,7 @@ a :class:`DeviceProfile`: built in per device type, measured by
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -69,8 +70,12 @@ class DeviceProfile:
         name: What it describes (``"cpu-gloo"``, ``"h100-nvlink"``, ...).
         all_to_all: Latency per peer message and seconds per byte.
         all_gather: Latency per ring step and seconds per byte.
-        matmul_flops: Matrix-multiply FLOP/s by dtype name (``"float32"``,
-            ``"bfloat16"``).
+        matmul_flops: Newton-Schulz FLOP/s by dtype name (``"float32"``,
+            ``"bfloat16"``), as ``[short side, FLOP/s]`` points: the rate of
+            matrices of that short side (interpolated between points).
+        memory_bytes_per_s: Bytes per second of element-wise work.
+        overhead_per_matrix_s: Fixed seconds per matrix and step on every
+            rank (dispatch, slicing, wrapping shards), whatever its size.
         source: Where the figures come from (a measurement command, or the
             public documents they are taken from).
     """
@@ -78,7 +83,9 @@ class DeviceProfile:
     name: str
     all_to_all: LinkCost
     all_gather: LinkCost
-    matmul_flops: dict[str, float] = field(default_factory=dict)
+    matmul_flops: dict[str, list[list[float]]] = field(default_factory=dict)
+    memory_bytes_per_s: float = 1e10
+    overhead_per_matrix_s: float = 0.0
     source: str = ""
 
     @classmethod
@@ -94,7 +101,12 @@ class DeviceProfile:
                 name=str(data["name"]),
                 all_to_all=LinkCost(**data["all_to_all"]),
                 all_gather=LinkCost(**data["all_gather"]),
-                matmul_flops={str(k): float(v) for k, v in data.get("matmul_flops", {}).items()},
+                matmul_flops={
+                    str(k): [[float(x), float(y)] for x, y in v]
+                    for k, v in data.get("matmul_flops", {}).items()
+                },
+                memory_bytes_per_s=float(data.get("memory_bytes_per_s", 1e10)),
+                overhead_per_matrix_s=float(data.get("overhead_per_matrix_s", 0.0)),
                 source=str(data.get("source", "")),
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -106,6 +118,25 @@ class DeviceProfile:
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+
+    def matmul_rate(self, dtype: str, short_side: int) -> float:
+        """FLOP/s of Newton-Schulz in ``dtype`` on matrices of ``short_side`` (log-interpolated).
+
+        Raises:
+            ValueError: the profile has no figure for ``dtype``.
+        """
+        points = sorted(self.matmul_flops.get(dtype, []))
+        if not points:
+            raise HyperParallelValueError(
+                f"device profile {self.name!r} has no matmul_flops for {dtype}; it has "
+                f"{sorted(self.matmul_flops) or 'none'}."
+            )
+        sides = [math.log(side) for side, _ in points]
+        x = min(max(math.log(short_side), sides[0]), sides[-1])
+        for (a, fa), (b, fb), la, lb in zip(points, points[1:], sides, sides[1:]):
+            if x <= lb:
+                return fa + (fb - fa) * ((x - la) / (lb - la) if lb > la else 0.0)
+        return points[-1][1]
 
     def link(self, transport: str) -> LinkCost:
         if transport not in TRANSPORTS:
@@ -122,7 +153,8 @@ _CPU_GLOO = DeviceProfile(
     name="cpu-gloo",
     all_to_all=LinkCost(latency_s=1.5e-4, seconds_per_byte=1.0e-9),
     all_gather=LinkCost(latency_s=1.5e-4, seconds_per_byte=1.0e-9),
-    matmul_flops={"float32": 1.1e11, "bfloat16": 1.3e10},
+    matmul_flops={"float32": [[512.0, 1.1e11]], "bfloat16": [[512.0, 1.3e10]]},
+    memory_bytes_per_s=5e9,
     source="python -m benchmarks.scale --calibrate (2 cores, gloo, loopback)",
 )
 

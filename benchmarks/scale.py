@@ -1,0 +1,640 @@
+"""A cost model of one distributed Muon + AdamW step, from 2 ranks to 16,384.
+
+Nobody can run 16k ranks here, so the step is modeled, the model is checked
+against what runs here, and its predictions say what to expect before launch.
+
+For a model's matrices (Muon) and other params (AdamW), ``R`` ranks on the
+default HSDP mesh (nodes of 8 ranks, or one node below that), and each
+transport of the owner exchange, it predicts per rank:
+
+* the bytes each rank sends and receives per step (the busiest rank);
+* Newton-Schulz FLOPs (the busiest rank, after owner assignment by FLOPs,
+  and with one owner per matrix over all ranks, replicas included);
+* optimizer state bytes (the momentum and the moments of its shards);
+* the step time: the exchange (:mod:`hyper_parallel.core.distributed.cost`)
+  plus Newton-Schulz at the profile's matmul rate plus the element-wise work
+  at its memory rate, without overlap (an upper bound).
+
+The plan is the ``fsdp`` backend's own rule (owners by FLOPs, buckets of
+:func:`~hyper_parallel_builtins.fsdp_backend.bucket_bytes`, one sender per
+distinct piece), computed for even ``Shard(0)`` row shards without
+building the ranks' tensors.
+
+Commands::
+
+    python -m benchmarks.scale --calibrate --profile cpu.json
+    python -m benchmarks.scale --validate --json validation.json
+    python -m benchmarks.scale --model llama-70b --ranks 8,64,1024,16384 --json p.json --plot p.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hyper_parallel.core.distributed.cost import (
+    TRANSPORTS,
+    DeviceProfile,
+    LinkCost,
+    device_profile,
+)
+
+#: Ranks per node of the default HSDP mesh in predictions.
+RANKS_PER_NODE = 8
+NS_STEPS = 5
+#: Passes over each optimizer-state element per step (momentum lerp, look-ahead,
+#: decay, update: read and write) and over each AdamW element (two moments, update).
+MUON_PASSES, ADAMW_PASSES = 8, 14
+
+
+@dataclass(frozen=True)
+class Params:
+    """A model's params: matrices for Muon (shape, count) and the element count for AdamW."""
+
+    name: str
+    matrices: tuple[tuple[tuple[int, int], int], ...]
+    adamw_elements: int
+
+    @property
+    def muon_elements(self) -> int:
+        return sum(r * c * n for (r, c), n in self.matrices)
+
+
+def _dense(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int,
+           head_dim: int | None = None, tied: bool = False) -> Params:  # fmt: skip
+    head = head_dim or hidden // heads
+    per_layer = [((heads * head, hidden), 1), ((kv * head, hidden), 2), ((hidden, heads * head), 1),
+                 ((inter, hidden), 2), ((hidden, inter), 1)]  # fmt: skip
+    matrices = tuple((shape, n * layers) for shape, n in per_layer)
+    embeddings = vocab * hidden * (1 if tied else 2)
+    return Params(name, matrices, embeddings + hidden * (2 * layers + 1))
+
+
+def _moe(name: str, hidden: int, layers: int, dense_layers: int, dense_inter: int, experts: int,
+         shared: int, expert_inter: int, heads: int, vocab: int) -> Params:  # fmt: skip
+    # multi-head latent attention (DeepSeek-V3's shapes), then dense or expert MLPs
+    attention = [((1536, hidden), 1), ((heads * 192, 1536), 1), ((576, hidden), 1),
+                 ((heads * 256, 512), 1), ((hidden, heads * 128), 1)]  # fmt: skip
+    mlp = [((dense_inter, hidden), 2 * dense_layers), ((hidden, dense_inter), dense_layers)]
+    moe_layers = layers - dense_layers
+    per_expert = (experts + shared) * moe_layers
+    mlp += [((expert_inter, hidden), 2 * per_expert), ((hidden, expert_inter), per_expert),
+            ((experts, hidden), moe_layers)]  # fmt: skip
+    matrices = tuple((s, n * layers) for s, n in attention) + tuple(mlp)
+    return Params(name, matrices, 2 * vocab * hidden + hidden * (2 * layers + 1))
+
+
+#: Built-in shapes (public configurations: Llama 3 8B and 70B, DeepSeek-V3).
+MODELS: dict[str, Callable[[], Params]] = {
+    "llama-8b": lambda: _dense("llama-8b", 4096, 14336, 32, 32, 8, 128256),
+    "llama-70b": lambda: _dense("llama-70b", 8192, 28672, 80, 64, 8, 128256),
+    "deepseek-v3-moe": lambda: _moe(
+        "deepseek-v3-moe", 7168, 61, 3, 18432, 256, 1, 2048, 128, 129280
+    ),
+}
+
+
+def params_from_config(path: Path) -> Params:
+    """A Hugging Face ``config.json``: a Llama-style dense model, or one with ``num_local_experts``."""
+    try:
+        c = json.loads(path.read_text(encoding="utf-8"))
+        hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+        heads = int(c["num_attention_heads"])
+        kv = int(c.get("num_key_value_heads", heads))
+        dense = _dense(path.stem, hidden, int(c["intermediate_size"]), layers, heads, kv,
+                       int(c["vocab_size"]), c.get("head_dim"), bool(c.get("tie_word_embeddings")))  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(
+            f"--model {path}: not a usable config.json ({type(exc).__name__}: {exc})"
+        ) from None
+    experts = int(c.get("num_local_experts", 0))
+    if not experts:
+        return dense
+    attention, mlp = dense.matrices[:3], dense.matrices[3:]
+    routed = (*tuple((shape, n * experts) for shape, n in mlp), ((experts, hidden), layers))
+    return dataclasses.replace(dense, matrices=attention + routed)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def _shard_rows(rows: int, shards: int) -> list[int]:
+    """Rows of each ``Shard(0)`` shard, as torch chunks them (ceil division, the last short)."""
+    chunk = -(-rows // shards)
+    return [max(0, min(chunk, rows - s * chunk)) for s in range(shards)]
+
+
+@dataclass
+class Traffic:
+    """One trip over ``world`` ranks: elements each rank sends and receives, and its peers."""
+
+    sent: torch.Tensor
+    received: torch.Tensor
+    peers: torch.Tensor
+
+    @property
+    def world(self) -> int:
+        return int(self.sent.numel())
+
+    @property
+    def width(self) -> int:
+        """The longest rank's elements: what ``all_gather`` pads every rank's to."""
+        return int(self.sent.max())
+
+    def seconds(self, transport: str, element_size: int, profile: DeviceProfile) -> float:
+        link = profile.link(transport)
+        if transport == "all_gather":
+            return link.seconds(self.world - 1, (self.world - 1) * self.width * element_size)
+        moved = torch.maximum(self.sent, self.received).double() * element_size
+        return float((link.latency_s * self.peers.double() + link.seconds_per_byte * moved).max())
+
+    def busiest_bytes(self, transport: str, element_size: int) -> int:
+        """Sent plus received by the rank that moves the most (what payload counting measures)."""
+        if transport == "all_gather":
+            return self.width * self.world * element_size
+        return int((self.sent + self.received).max()) * element_size
+
+
+@dataclass
+class Plan:
+    """The owner exchange of one step: each bucket's two trips, and Newton-Schulz FLOPs per rank."""
+
+    trips: list[tuple[Traffic, Traffic]]
+    flops: torch.Tensor  # per rank
+
+
+def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype,
+                  device: str = "cuda") -> Plan:  # fmt: skip
+    """The ``fsdp`` backend's plan for ``params`` row-sharded over ``shards`` ranks, replicated."""
+    from hyper_parallel.core.distributed.toolkit import assign_owners, exchange_rounds
+    from hyper_parallel_builtins.fsdp_backend import bucket_bytes
+    from hyper_parallel_builtins.newton_schulz import newton_schulz_flops, resolve_ns_method
+
+    shapes = [shape for shape, n in params.matrices for _ in range(n)]
+    flops = [
+        newton_schulz_flops(r, c, NS_STEPS, resolve_ns_method("auto", r, c, torch.device(device)))
+        for r, c in shapes
+    ]
+    owners = assign_owners(flops, ranks)
+    nbytes = [r * c * 4 for r, c in shapes]
+    per_rank = torch.zeros(ranks, dtype=torch.float64)
+    for f, o in zip(flops, owners, strict=True):
+        per_rank[o] += f
+    rounds = exchange_rounds(nbytes, [ns_dtype] * len(shapes), owners, ranks,
+                             bucket_bytes(nbytes, owners, ranks))  # fmt: skip
+    trips = [_bucket_trips([(i, shapes[i], owners[i]) for i in r], ranks, shards) for r in rounds]
+    return Plan(trips, per_rank)
+
+
+def _bucket_trips(items: list[tuple[int, tuple[int, int], int]], ranks: int,
+                  shards: int) -> tuple[Traffic, Traffic]:  # fmt: skip
+    """Pieces to their owners (one holder sends each), and every rank's piece back.
+
+    Peers of the trip back: an owner's are the ranks it returns a piece to,
+    anyone else's the owners of its shard's pieces (the larger of the two
+    where a rank is both: an owner returns to nearly every rank).
+    """
+    replicas = ranks // shards
+    zeros = torch.zeros(ranks, dtype=torch.int64)
+    to_sent, to_received, back_received = zeros.clone(), zeros.clone(), zeros.clone()
+    back_sent, back_targets = zeros.clone(), zeros.clone()
+    pairs: set[tuple[int, int]] = set()
+    owners_of_shard: list[set[int]] = [set() for _ in range(shards)]
+    nonzero_of_owner: dict[int, torch.Tensor] = {}
+    by_shard = torch.arange(ranks) % shards
+    for index, (rows, cols), owner in items:
+        pieces = torch.tensor([n * cols for n in _shard_rows(rows, shards)], dtype=torch.int64)
+        for s in torch.nonzero(pieces).flatten().tolist():
+            owners_of_shard[s].add(owner)
+            holders = range(s, ranks, shards)
+            sender = owner if owner % shards == s else holders[index % replicas]
+            if sender != owner:
+                to_sent[sender] += pieces[s]
+                to_received[owner] += pieces[s]
+                pairs.update(((sender, owner), (owner, sender)))
+        piece_of = pieces[by_shard]
+        piece_of[owner] = 0
+        back_received += piece_of
+        back_sent[owner] += piece_of.sum()
+        nonzero_of_owner[owner] = nonzero_of_owner.get(owner, pieces == -1) | (pieces > 0)
+    for owner, mask in nonzero_of_owner.items():
+        back_targets[owner] = replicas * int(mask.sum()) - int(mask[owner % shards])
+    to_peers = zeros.clone()
+    for rank, _ in pairs:
+        to_peers[rank] += 1
+    sources = torch.tensor([len(owners_of_shard[r % shards] - {r}) for r in range(ranks)])
+    back_peers = torch.maximum(back_targets, sources)
+    return Traffic(to_sent, to_received, to_peers), Traffic(back_sent, back_received, back_peers)
+
+
+# ---------------------------------------------------------------- predictions
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ranks: int
+    transport: str
+    step_s: float
+    bytes_per_rank: int
+    ns_flops_per_rank: float
+    state_bytes_per_rank: int
+    exchange_s: float
+    ns_s: float
+    elementwise_s: float
+
+
+def predict(params: Params, ranks: int, shards: int, transport: str, profile: DeviceProfile,
+            ns_dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
+            plan: Plan | None = None) -> Prediction:  # fmt: skip
+    """One step of ``params`` on ``ranks`` (shard groups of ``shards``) by ``transport``."""
+    plan = plan or plan_exchange(params, ranks, shards, ns_dtype, device)
+    exchange = sum(t.seconds(transport, 4, profile) for trip in plan.trips for t in trip)
+    moved = sum(t.busiest_bytes(transport, 4) for trip in plan.trips for t in trip)
+    busiest = float(plan.flops.max())
+    ns = busiest / profile.matmul_rate(str(ns_dtype).removeprefix("torch."), _short_side(params))
+    local = (params.muon_elements + 2 * params.adamw_elements) / shards
+    elementwise = (params.muon_elements * MUON_PASSES + params.adamw_elements * ADAMW_PASSES) \
+        * 4 / shards / profile.memory_bytes_per_s  # fmt: skip
+    elementwise += profile.overhead_per_matrix_s * sum(n for _, n in params.matrices)
+    return Prediction(ranks, transport, exchange + ns + elementwise, int(moved), busiest,
+                      int(local * 4), exchange, ns, elementwise)  # fmt: skip
+
+
+def _short_side(params: Params) -> int:
+    """The short side of the matrix that carries most of the FLOPs (for the matmul rate)."""
+    (r, c), _ = max(params.matrices, key=lambda m: min(m[0]) ** 2 * max(m[0]) * m[1])
+    return min(r, c)
+
+
+def hsdp_shards(ranks: int) -> int:
+    return min(ranks, RANKS_PER_NODE)
+
+
+def predictions(params: Params, ranks: Sequence[int], profile: DeviceProfile) -> list[Prediction]:
+    """Each transport at each rank count, on the default HSDP mesh (nodes of 8)."""
+    rows = []
+    for n in ranks:
+        plan = plan_exchange(params, n, hsdp_shards(n), torch.bfloat16)
+        rows += [predict(params, n, hsdp_shards(n), t, profile, plan=plan) for t in TRANSPORTS]
+    return rows
+
+
+def pick(rows: Sequence[Prediction], ranks: int) -> str:
+    """The transport with the shortest predicted step at ``ranks``."""
+    return min((r for r in rows if r.ranks == ranks), key=lambda r: r.step_s).transport
+
+
+def plot(rows: Sequence[Prediction], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for transport in TRANSPORTS:
+        mine = [r for r in rows if r.transport == transport]
+        axes[0].plot([r.ranks for r in mine], [r.step_s for r in mine], "o-", label=transport)
+        axes[1].plot([r.ranks for r in mine], [r.bytes_per_rank for r in mine], "o-",
+                     label=transport)  # fmt: skip
+    for ax, label in zip(axes, ("predicted step (s)", "bytes per rank per step"), strict=True):
+        ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel=label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- measuring here
+
+
+def _spawn(worker: Callable[..., None], *args: Any) -> Any:
+    """Run ``worker(rank, port, out, *args)`` on 2 gloo ranks; what rank 0 wrote to ``out``."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        mp.spawn(worker, args=(port, str(out), *args), nprocs=2, join=True)
+        return json.loads(out.read_text())
+
+
+def _init(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    import torch.distributed as dist
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fit(points: list[tuple[float, float]]) -> LinkCost:
+    """Least-squares ``seconds = latency + seconds_per_byte * bytes`` (one message each)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return LinkCost(latency_s=max(my - slope * mx, 1e-6), seconds_per_byte=max(slope, 1e-13))
+
+
+def _calibrate_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    _init(rank, port)
+    links: dict[str, list[tuple[float, float]]] = {t: [] for t in TRANSPORTS}
+    for elements in (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 21):
+        send = torch.randn(elements)
+        recv = torch.empty(elements)
+        gathered = torch.empty(2 * elements)
+        splits = [0, elements] if rank == 0 else [elements, 0]
+        a2a = _median_seconds(functools.partial(dist.all_to_all_single, recv, send,
+                              output_split_sizes=splits, input_split_sizes=splits), 15)  # fmt: skip
+        ag = _median_seconds(functools.partial(dist.all_gather_single, gathered, send), 15)
+        links["all_to_all"].append((elements * 4, a2a))
+        links["all_gather"].append((elements * 4, ag))
+    # fixed costs per matrix: steps on 16 and on 64 tiny matrices (one bucket each)
+    overhead = [(float(n), _muon_step_seconds([(8, 8)] * n, "all_to_all")) for n in (16, 64)]
+    if rank == 0:
+        Path(out).write_text(json.dumps({"links": links, "overhead": overhead}))
+    dist.destroy_process_group()
+
+
+def _sharded_matrices(shapes: Sequence[tuple[int, int]]) -> list[Any]:
+    """Muon params of these shapes, row-sharded over the 2 ranks, with gradients."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for shape in shapes:
+        full = torch.randn(shape, generator=gen) * 0.02
+        p = nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+        p.grad = distribute_tensor(torch.randn(shape, generator=gen), mesh, [Shard(0)])
+        params.append(p)
+    return params
+
+
+def _muon_step_seconds(shapes: Sequence[tuple[int, int]], transport: str) -> float:
+    """One Muon step (fsdp, no overlap, ``transport``) on these matrices, median of 5."""
+    from hyper_parallel_builtins.muon import Muon
+
+    os.environ.update(HYPER_PARALLEL_EXCHANGE_OVERLAP="0", HYPER_PARALLEL_TRANSPORT=transport)
+    opt = Muon(_sharded_matrices(shapes), lr=0.02, sharding="fsdp")
+    return _median_seconds(opt.step, 5)
+
+
+def _matmul_points(dtype: torch.dtype, sides: Sequence[int]) -> list[list[float]]:
+    """Newton-Schulz FLOP/s at each short side, on a transformer block's mix of shapes.
+
+    Per side ``s``: four ``s x s`` matrices and three ``8s/3 x s`` ones, each
+    batch by the method Muon picks here, FLOPs counted as Muon counts them.
+    """
+    from hyper_parallel_builtins.newton_schulz import (
+        newton_schulz_batched,
+        newton_schulz_flops,
+        resolve_coefficients,
+        resolve_ns_method,
+    )
+
+    coefficients = resolve_coefficients("keller", NS_STEPS)
+    points = []
+    for side in sides:
+        batches = [((side, side), 4), ((-(-8 * side // 3 // 32) * 32, side), 3)]
+        flops, seconds = 0.0, 0.0
+        for (rows, cols), count in batches:
+            method = resolve_ns_method("auto", rows, cols, torch.device("cpu"))
+            matrices = [torch.randn(rows, cols) for _ in range(count)]
+            run = functools.partial(
+                newton_schulz_batched, matrices, coefficients, dtype=dtype, method=method
+            )
+            run()
+            start = time.perf_counter()
+            run()
+            seconds += time.perf_counter() - start
+            flops += count * newton_schulz_flops(rows, cols, NS_STEPS, method)
+        points.append([float(side), flops / seconds])
+    return points
+
+
+def calibrate() -> DeviceProfile:
+    """Measure this machine: gloo collectives at 2 ranks, Newton-Schulz and element-wise rates."""
+    measured = _spawn(_calibrate_worker)
+    links = measured["links"]
+    (few, t_few), (many, t_many) = measured["overhead"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank of the validation runs
+    try:
+        flops = {"float32": _matmul_points(torch.float32, (128, 256, 512, 1024)),
+                 "bfloat16": _matmul_points(torch.bfloat16, (128, 256, 512))}  # fmt: skip
+        buffers = [torch.zeros(1 << 22) for _ in range(2)]
+        grads = [torch.randn(1 << 22) for _ in range(2)]
+        torch._foreach_lerp_(buffers, grads, 0.05)
+        start = time.perf_counter()
+        for _ in range(5):
+            torch._foreach_lerp_(buffers, grads, 0.05)
+        memory = 5 * 3 * 4 * (2 << 22) / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return DeviceProfile(
+        name="measured-here",
+        all_to_all=_fit([(b, s) for b, s in links["all_to_all"]]),
+        all_gather=_fit([(b, s) for b, s in links["all_gather"]]),
+        matmul_flops=flops,
+        memory_bytes_per_s=memory,
+        overhead_per_matrix_s=max(0.0, (t_many - t_few) / (many - few)),
+        source="python -m benchmarks.scale --calibrate (2 gloo ranks of 1 thread, this machine)",
+    )
+
+
+class _Counting:
+    """Payload bytes of this rank's owner-exchange collectives while active (sent plus received)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def __enter__(self) -> _Counting:
+        import torch.distributed as dist
+
+        self._real = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_single")}
+
+        def counted(collective: Callable[..., Any]) -> Callable[..., Any]:
+            def call(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                self.bytes += (output.numel() + input.numel()) * output.element_size()
+                if collective is self._real["all_gather_single"]:
+                    self.bytes -= input.numel() * input.element_size()  # its own part stays
+                return collective(output, input, *args, **kwargs)
+
+            return call
+
+        for name, collective in self._real.items():
+            setattr(dist, name, counted(collective))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        for name, collective in self._real.items():
+            setattr(dist, name, collective)
+
+
+def _validate_worker(rank: int, port: int, out: str, cases: list[list[int]]) -> None:
+    import torch.distributed as dist
+
+    from benchmarks.suite import transformer_shapes
+    from hyper_parallel_builtins.muon import Muon
+
+    _init(rank, port)
+    records = []
+    for dim, layers in cases:
+        for transport in TRANSPORTS:
+            shapes = transformer_shapes(dim, layers)
+            os.environ.update(
+                HYPER_PARALLEL_EXCHANGE_OVERLAP="0", HYPER_PARALLEL_TRANSPORT=transport
+            )
+            opt = Muon(_sharded_matrices(shapes), lr=0.02, sharding="fsdp")
+            opt.step()  # the plan and the momentum
+            with _Counting() as counted:
+                opt.step()
+            seconds = _median_seconds(opt.step, 5)
+            moved: list[Any] = [None, None]
+            dist.all_gather_object(moved, counted.bytes)
+            records.append({"dim": dim, "layers": layers, "transport": transport,
+                            "measured_s": seconds, "measured_bytes": max(moved)})  # fmt: skip
+    if rank == 0:
+        Path(out).write_text(json.dumps(records))
+    dist.destroy_process_group()
+
+
+def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Measured against predicted at 2 ranks: each case (dim, layers) by each transport."""
+    from benchmarks.suite import transformer_shapes
+    from hyper_parallel_builtins.muon import default_ns_dtype
+
+    ns_dtype = default_ns_dtype(torch.empty(0))
+    rows = []
+    for record in _spawn(_validate_worker, [list(c) for c in cases]):
+        shapes = transformer_shapes(record["dim"], record["layers"])
+        params = Params(f"d={record['dim']}", tuple((s, 1) for s in shapes), 0)
+        p = predict(params, 2, 2, record["transport"], profile, ns_dtype, device="cpu")
+        rows.append({"ranks": 2, "dim": record["dim"], "layers": record["layers"],
+                     "transport": record["transport"], "predicted_s": p.step_s,
+                     "measured_s": record["measured_s"], "predicted_bytes": p.bytes_per_rank,
+                     "measured_bytes": record["measured_bytes"]})  # fmt: skip
+    return rows
+
+
+# ---------------------------------------------------------------- command line
+
+#: The validation's models: (dim, layers), each a few seconds a step at 2 ranks.
+VALIDATION_CASES = ((256, 2), (512, 1))
+
+
+def _load_params(name: str) -> Params:
+    if name in MODELS:
+        return MODELS[name]()
+    path = Path(name)
+    if path.suffix == ".json" and path.exists():
+        return params_from_config(path)
+    raise SystemExit(f"--model {name}: choose from {', '.join(MODELS)} or give a config.json path")
+
+
+def _print_validation(rows: list[dict[str, Any]]) -> None:
+    print("ranks  dim  layers  transport   predicted_s  measured_s  ratio  predicted_B  measured_B")
+    for r in rows:
+        print(f"{r['ranks']:5d} {r['dim']:4d} {r['layers']:6d}  {r['transport']:10s} "
+              f"{r['predicted_s']:11.4f} {r['measured_s']:11.4f} "
+              f"{r['predicted_s'] / r['measured_s']:6.2f} {r['predicted_bytes']:12d} "
+              f"{r['measured_bytes']:11d}")  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine and write the profile to --profile")  # fmt: skip
+    parser.add_argument("--validate", action="store_true",
+                        help="2 ranks: predicted against measured step time and bytes")  # fmt: skip
+    parser.add_argument("--model", help=f"{', '.join(MODELS)}, or a config.json path")
+    parser.add_argument("--ranks", default="8,64,1024,16384", help="comma-separated rank counts")
+    parser.add_argument("--profile", type=Path,
+                        help="device profile JSON: read (or written by --calibrate)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of step time and bytes by ranks")
+    args = parser.parse_args(argv)
+    if not (args.calibrate or args.validate or args.model):
+        parser.error("give --calibrate, --validate or --model")
+    result: dict[str, Any] = {}
+    profile = DeviceProfile.from_json(args.profile) if args.profile and not args.calibrate else None
+    if args.calibrate or (args.validate and profile is None):
+        profile = calibrate()
+        if args.calibrate and args.profile:
+            profile.to_json(args.profile)
+        print(f"calibrated: {json.dumps(dataclasses.asdict(profile))}")
+    if args.validate:
+        assert profile is not None
+        result["validation"] = validate(profile, VALIDATION_CASES)
+        _print_validation(result["validation"])
+    if args.model:
+        params = _load_params(args.model)
+        cluster = profile or device_profile("cuda") or _default_cluster_profile()
+        ranks = [int(r) for r in args.ranks.split(",")]
+        rows = predictions(params, ranks, cluster)
+        result["profile"] = cluster.name
+        result["predictions"] = [
+            {k: getattr(r, k) for k in ("ranks", "transport", "step_s", "bytes_per_rank",
+                                        "ns_flops_per_rank", "state_bytes_per_rank")}
+            for r in rows
+        ]  # fmt: skip
+        for n in ranks:
+            print(f"{params.name} at {n} ranks ({cluster.name}): picks {pick(rows, n)}; " + "; ".join(
+                f"{r.transport} {r.step_s:.3f} s, {r.bytes_per_rank / 2**20:.0f} MiB/rank, "
+                f"NS {r.ns_flops_per_rank / 1e12:.2f} TFLOP/rank"
+                for r in rows if r.ranks == n))  # fmt: skip
+        if args.plot:
+            plot(rows, f"{params.name}, one Muon+AdamW step ({cluster.name})", args.plot)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        "reproduce: python -m benchmarks.scale " + " ".join(sys.argv[1:] if argv is None else argv)
+    )
+    return 0
+
+
+def _default_cluster_profile() -> DeviceProfile:
+    return DeviceProfile.from_json(Path(__file__).parent / "profiles" / "h100-infiniband.json")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
