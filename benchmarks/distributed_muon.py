@@ -47,9 +47,9 @@ import argparse
 import json
 import logging
 import os
-import socket
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -58,7 +58,6 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from benchmarks.suite import transformer_shapes
@@ -258,10 +257,7 @@ def _overlap(on: bool) -> Iterator[None]:
             os.environ[OVERLAP_ENV] = before
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _quiet_logs() -> None:
     # full_tensor() of a strided shard logs a warning on every call (two all-gathers).
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
@@ -305,16 +301,15 @@ def _ours_against_baselines(
     return ours, results, diff
 
 
-def _fsdp_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def _fsdp_worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     """FSDP rows at each ``--dim``: ``world`` ranks, ``Shard(0)`` params."""
-    _init(rank, world, port)
+    _quiet_logs()
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     records = {str(dim): _fsdp_rows(rank, mesh, dim, args) for dim in args.dim}
     if rank == 0:
         Path(out).write_text(json.dumps(records))
-    dist.destroy_process_group()
 
 
 def _fsdp_rows(rank: int, mesh: Any, dim: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -360,9 +355,9 @@ def _fsdp_rows(rank: int, mesh: Any, dim: int, args: argparse.Namespace) -> dict
     return {"seconds": results, "state_bytes": state_bytes, "max_abs_diff": diff}
 
 
-def _tp_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def _tp_worker(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
     """FSDP x TP rows: 4 ranks on a (dp=2, tp=2) mesh, laid out by torch's TP and FSDP2."""
-    _init(rank, world, port)
+    _quiet_logs()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
@@ -401,18 +396,16 @@ def _tp_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: 
     if rank == 0:
         record = {"seconds": results, "max_abs_diff": diff, "placements": placements}
         Path(out).write_text(json.dumps(record))
-    dist.destroy_process_group()
 
 
 def _spawn(worker: Callable[..., None], world: int, args: argparse.Namespace) -> dict[str, Any]:
     """Run ``worker`` on ``world`` ranks; what rank 0 recorded."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"hp_bench_{os.getpid()}_{world}.json"
-    mp.spawn(worker, args=(world, port, args, str(out)), nprocs=world, join=True)
-    recorded: dict[str, Any] = json.loads(out.read_text())
-    out.unlink()
+    from hyper_parallel.testing import run_distributed
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        run_distributed(worker, world_size=world, args=(args, str(out)))
+        recorded: dict[str, Any] = json.loads(out.read_text())
     return recorded
 
 

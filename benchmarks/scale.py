@@ -34,7 +34,6 @@ import dataclasses
 import functools
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -324,24 +323,13 @@ def plot(rows: Sequence[Prediction], title: str, path: Path) -> None:
 
 
 def _spawn(worker: Callable[..., None], *args: Any) -> Any:
-    """Run ``worker(rank, port, out, *args)`` on 2 gloo ranks; what rank 0 wrote to ``out``."""
-    import torch.multiprocessing as mp
+    """Run ``worker(rank, world_size, out, *args)`` on 2 gloo ranks; what rank 0 wrote to ``out``."""
+    from hyper_parallel.testing import run_distributed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        mp.spawn(worker, args=(port, str(out), *args), nprocs=2, join=True)
+        run_distributed(worker, world_size=2, args=(str(out), *args))
         return json.loads(out.read_text())
-
-
-def _init(rank: int, port: int) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -358,6 +346,16 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _times(n: int, fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` ``n`` times back to back (a collective's time without a barrier after each)."""
+
+    def run() -> None:
+        for _ in range(n):
+            fn()
+
+    return run
+
+
 def _fit(points: list[tuple[float, float]]) -> LinkCost:
     """Least-squares ``seconds = latency + seconds_per_byte * bytes`` (one message each)."""
     n = len(points)
@@ -367,26 +365,29 @@ def _fit(points: list[tuple[float, float]]) -> LinkCost:
     return LinkCost(latency_s=max(my - slope * mx, 1e-6), seconds_per_byte=max(slope, 1e-13))
 
 
-def _calibrate_worker(rank: int, port: int, out: str) -> None:
+def _calibrate_worker(rank: int, world_size: int, out: str) -> None:
     import torch.distributed as dist
 
-    _init(rank, port)
     links: dict[str, list[tuple[float, float]]] = {t: [] for t in TRANSPORTS}
     for elements in (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 21):
         send = torch.randn(elements)
         recv = torch.empty(elements)
         gathered = torch.empty(2 * elements)
         splits = [0, elements] if rank == 0 else [elements, 0]
-        a2a = _median_seconds(functools.partial(dist.all_to_all_single, recv, send,
-                              output_split_sizes=splits, input_split_sizes=splits), 15)  # fmt: skip
-        ag = _median_seconds(functools.partial(dist.all_gather_single, gathered, send), 15)
+        a2a = _median_seconds(_times(10, functools.partial(dist.all_to_all_single, recv, send,
+                              output_split_sizes=splits, input_split_sizes=splits)), 5) / 10  # fmt: skip
+        ag = (
+            _median_seconds(
+                _times(10, functools.partial(dist.all_gather_single, gathered, send)), 5
+            )
+            / 10
+        )
         links["all_to_all"].append((elements * 4, a2a))
         links["all_gather"].append((elements * 4, ag))
     # fixed costs per matrix: steps on 16 and on 64 tiny matrices (one bucket each)
     overhead = [(float(n), _muon_step_seconds([(8, 8)] * n, "all_to_all")) for n in (16, 64)]
     if rank == 0:
         Path(out).write_text(json.dumps({"links": links, "overhead": overhead}))
-    dist.destroy_process_group()
 
 
 def _sharded_matrices(shapes: Sequence[tuple[int, int]]) -> list[Any]:
@@ -509,13 +510,12 @@ class _Counting:
             setattr(dist, name, collective)
 
 
-def _validate_worker(rank: int, port: int, out: str, cases: list[list[int]]) -> None:
+def _validate_worker(rank: int, world_size: int, out: str, cases: list[list[int]]) -> None:
     import torch.distributed as dist
 
     from benchmarks.suite import transformer_shapes
     from hyper_parallel_builtins.muon import Muon
 
-    _init(rank, port)
     records = []
     for dim, layers in cases:
         for transport in TRANSPORTS:
@@ -534,7 +534,6 @@ def _validate_worker(rank: int, port: int, out: str, cases: list[list[int]]) -> 
                             "measured_s": seconds, "measured_bytes": max(moved)})  # fmt: skip
     if rank == 0:
         Path(out).write_text(json.dumps(records))
-    dist.destroy_process_group()
 
 
 def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ a :class:`DeviceProfile`: built in per device type, measured by
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -131,12 +132,12 @@ class DeviceProfile:
                 f"device profile {self.name!r} has no matmul_flops for {dtype}; it has "
                 f"{sorted(self.matmul_flops) or 'none'}."
             )
-        sides = [math.log(side) for side, _ in points]
-        x = min(max(math.log(short_side), sides[0]), sides[-1])
-        for (a, fa), (b, fb), la, lb in zip(points, points[1:], sides, sides[1:]):
+        logs = [(math.log(side), rate) for side, rate in points]
+        x = min(max(math.log(short_side), logs[0][0]), logs[-1][0])
+        for (la, fa), (lb, fb) in itertools.pairwise(logs):
             if x <= lb:
-                return fa + (fb - fa) * ((x - la) / (lb - la) if lb > la else 0.0)
-        return points[-1][1]
+                return fa + (fb - fa) * (x - la) / (lb - la) if lb > la else fa
+        return logs[-1][1]
 
     def link(self, transport: str) -> LinkCost:
         if transport not in TRANSPORTS:
@@ -147,15 +148,19 @@ class DeviceProfile:
         return cost
 
 
-#: Measured on 2 CPU cores, gloo over loopback, 2 processes of 1 thread
-#: (``python -m benchmarks.scale --calibrate``).
+#: Measured on 2 CPU cores (AVX2, no native bf16), gloo over loopback, 2 processes of
+#: 1 thread: ``python -m benchmarks.scale --calibrate --profile cpu.json``.
 _CPU_GLOO = DeviceProfile(
     name="cpu-gloo",
-    all_to_all=LinkCost(latency_s=1.5e-4, seconds_per_byte=1.0e-9),
-    all_gather=LinkCost(latency_s=1.5e-4, seconds_per_byte=1.0e-9),
-    matmul_flops={"float32": [[512.0, 1.1e11]], "bfloat16": [[512.0, 1.3e10]]},
-    memory_bytes_per_s=5e9,
-    source="python -m benchmarks.scale --calibrate (2 cores, gloo, loopback)",
+    all_to_all=LinkCost(latency_s=5.9e-4, seconds_per_byte=8.4e-10),
+    all_gather=LinkCost(latency_s=4.7e-4, seconds_per_byte=2.0e-9),
+    matmul_flops={
+        "float32": [[128.0, 4.5e10], [256.0, 5.1e10], [512.0, 5.5e10], [1024.0, 6.5e10]],
+        "bfloat16": [[128.0, 5.4e9], [256.0, 8.9e9], [512.0, 9.7e9]],
+    },
+    memory_bytes_per_s=1.8e10,
+    overhead_per_matrix_s=3.8e-4,
+    source="python -m benchmarks.scale --calibrate (2 cores, AVX2, gloo over loopback)",
 )
 
 _BUILTIN: dict[str, DeviceProfile] = {"cpu": _CPU_GLOO}
