@@ -174,6 +174,8 @@ class Plan:
 
     trips: list[tuple[Traffic, Traffic]]
     flops: torch.Tensor  # per rank
+    #: per bucket, the busiest owner's FLOPs: without overlap every rank waits for it
+    bucket_flops: list[float]
 
 
 def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype,
@@ -196,7 +198,13 @@ def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype
     rounds = exchange_rounds(nbytes, [ns_dtype] * len(shapes), owners, ranks,
                              bucket_bytes(nbytes, owners, ranks))  # fmt: skip
     trips = [_bucket_trips([(i, shapes[i], owners[i]) for i in r], ranks, shards) for r in rounds]
-    return Plan(trips, per_rank)
+    bucket_flops = []
+    for r in rounds:
+        load: dict[int, float] = {}
+        for i in r:
+            load[owners[i]] = load.get(owners[i], 0.0) + flops[i]
+        bucket_flops.append(max(load.values(), default=0.0))
+    return Plan(trips, per_rank, bucket_flops)
 
 
 def _bucket_trips(items: list[tuple[int, tuple[int, int], int]], ranks: int,
@@ -264,7 +272,8 @@ def predict(params: Params, ranks: int, shards: int, transport: str, profile: De
     exchange = sum(t.seconds(transport, 4, profile) for trip in plan.trips for t in trip)
     moved = sum(t.busiest_bytes(transport, 4) for trip in plan.trips for t in trip)
     busiest = float(plan.flops.max())
-    ns = busiest / profile.matmul_rate(str(ns_dtype).removeprefix("torch."), _short_side(params))
+    rate = profile.matmul_rate(str(ns_dtype).removeprefix("torch."), _short_side(params))
+    ns = sum(plan.bucket_flops) / rate  # each bucket waits for its busiest owner
     local = (params.muon_elements + 2 * params.adamw_elements) / shards
     elementwise = (params.muon_elements * MUON_PASSES + params.adamw_elements * ADAMW_PASSES) \
         * 4 / shards / profile.memory_bytes_per_s  # fmt: skip
@@ -386,8 +395,11 @@ def _calibrate_worker(rank: int, world_size: int, out: str) -> None:
         links["all_gather"].append((elements * 4, ag))
     # fixed costs per matrix: steps on 16 and on 64 tiny matrices (one bucket each)
     overhead = [(float(n), _muon_step_seconds([(8, 8)] * n, "all_to_all")) for n in (16, 64)]
+    # Newton-Schulz on every rank at once, as the ranks of a step compute
+    flops = {"float32": _matmul_points(torch.float32, (128, 256, 512, 1024)),
+             "bfloat16": _matmul_points(torch.bfloat16, (128, 256, 512))}  # fmt: skip
     if rank == 0:
-        Path(out).write_text(json.dumps({"links": links, "overhead": overhead}))
+        Path(out).write_text(json.dumps({"links": links, "overhead": overhead, "flops": flops}))
 
 
 def _sharded_matrices(shapes: Sequence[tuple[int, int]]) -> list[Any]:
@@ -440,10 +452,7 @@ def _matmul_points(dtype: torch.dtype, sides: Sequence[int]) -> list[list[float]
             run = functools.partial(
                 newton_schulz_batched, matrices, coefficients, dtype=dtype, method=method
             )
-            run()
-            start = time.perf_counter()
-            run()
-            seconds += time.perf_counter() - start
+            seconds += _median_seconds(run, 5)
             flops += count * newton_schulz_flops(rows, cols, NS_STEPS, method)
         points.append([float(side), flops / seconds])
     return points
@@ -457,8 +466,6 @@ def calibrate() -> DeviceProfile:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank of the validation runs
     try:
-        flops = {"float32": _matmul_points(torch.float32, (128, 256, 512, 1024)),
-                 "bfloat16": _matmul_points(torch.bfloat16, (128, 256, 512))}  # fmt: skip
         buffers = [torch.zeros(1 << 22) for _ in range(2)]
         grads = [torch.randn(1 << 22) for _ in range(2)]
         torch._foreach_lerp_(buffers, grads, 0.05)
@@ -472,7 +479,7 @@ def calibrate() -> DeviceProfile:
         name="measured-here",
         all_to_all=_fit([(b, s) for b, s in links["all_to_all"]]),
         all_gather=_fit([(b, s) for b, s in links["all_gather"]]),
-        matmul_flops=flops,
+        matmul_flops=measured["flops"],
         memory_bytes_per_s=memory,
         overhead_per_matrix_s=max(0.0, (t_many - t_few) / (many - few)),
         source="python -m benchmarks.scale --calibrate (2 gloo ranks of 1 thread, this machine)",
