@@ -146,7 +146,7 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def _time(step: Callable[[], None], repeats: int) -> float:
+def median_seconds(step: Callable[[], object], repeats: int) -> float:
     """Median seconds of ``step`` after one warm-up call, each call bracketed by barriers."""
     step()  # warm up (state allocation, first-call overheads)
     times = []
@@ -347,11 +347,11 @@ def _fsdp_rows(rank: int, mesh: Any, dim: int, args: argparse.Namespace) -> dict
     if not args.skip_bf16:
         with _overlap(True):
             ours_bf16 = Muon(sharded(), lr=LR, sharding="fsdp", ns_dtype=torch.bfloat16)
-        results["ours_bf16"] = _time(ours_bf16.step, args.repeats)
+        results["ours_bf16"] = median_seconds(ours_bf16.step, args.repeats)
         del ours_bf16
     if not args.skip_torch:
         peer = torch.optim.Muon(sharded(), lr=LR)
-        results["torch_muon"] = _time(peer.step, max(1, args.repeats // 2))
+        results["torch_muon"] = median_seconds(peer.step, max(1, args.repeats // 2))
     return {"seconds": results, "state_bytes": state_bytes, "max_abs_diff": diff}
 
 

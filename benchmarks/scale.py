@@ -34,7 +34,6 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.distributed_muon import median_seconds
 from hyper_parallel.core.distributed.cost import (
     TRANSPORTS,
     DeviceProfile,
@@ -341,20 +341,6 @@ def _spawn(worker: Callable[..., None], *args: Any) -> Any:
         return json.loads(out.read_text())
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    import torch.distributed as dist
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _times(n: int, fn: Callable[[], object]) -> Callable[[], None]:
     """``fn`` ``n`` times back to back (a collective's time without a barrier after each)."""
 
@@ -383,12 +369,10 @@ def _calibrate_worker(rank: int, world_size: int, out: str) -> None:
         recv = torch.empty(elements)
         gathered = torch.empty(2 * elements)
         splits = [0, elements] if rank == 0 else [elements, 0]
-        a2a = _median_seconds(_times(10, functools.partial(dist.all_to_all_single, recv, send,
+        a2a = median_seconds(_times(10, functools.partial(dist.all_to_all_single, recv, send,
                               output_split_sizes=splits, input_split_sizes=splits)), 5) / 10  # fmt: skip
         ag = (
-            _median_seconds(
-                _times(10, functools.partial(dist.all_gather_single, gathered, send)), 5
-            )
+            median_seconds(_times(10, functools.partial(dist.all_gather_single, gathered, send)), 5)
             / 10
         )
         links["all_to_all"].append((elements * 4, a2a))
@@ -425,7 +409,7 @@ def _muon_step_seconds(shapes: Sequence[tuple[int, int]], transport: str) -> flo
 
     os.environ.update(HYPER_PARALLEL_EXCHANGE_OVERLAP="0", HYPER_PARALLEL_TRANSPORT=transport)
     opt = Muon(_sharded_matrices(shapes), lr=0.02, sharding="fsdp")
-    return _median_seconds(opt.step, 5)
+    return median_seconds(opt.step, 5)
 
 
 def _matmul_points(dtype: torch.dtype, sides: Sequence[int]) -> list[list[float]]:
@@ -452,7 +436,7 @@ def _matmul_points(dtype: torch.dtype, sides: Sequence[int]) -> list[list[float]
             run = functools.partial(
                 newton_schulz_batched, matrices, coefficients, dtype=dtype, method=method
             )
-            seconds += _median_seconds(run, 5)
+            seconds += median_seconds(run, 5)
             flops += count * newton_schulz_flops(rows, cols, NS_STEPS, method)
         points.append([float(side), flops / seconds])
     return points
@@ -534,7 +518,7 @@ def _validate_worker(rank: int, world_size: int, out: str, cases: list[list[int]
             opt.step()  # the plan and the momentum
             with _Counting() as counted:
                 opt.step()
-            seconds = _median_seconds(opt.step, 5)
+            seconds = median_seconds(opt.step, 5)
             moved: list[Any] = [None, None]
             dist.all_gather_object(moved, counted.bytes)
             records.append({"dim": dim, "layers": layers, "transport": transport,
