@@ -49,7 +49,11 @@ from hyper_parallel.core.distributed.cost import (
     TRANSPORTS,
     DeviceProfile,
     LinkCost,
+    Trip,
     device_profile,
+    exchange_trips,
+    transport_bytes,
+    transport_seconds,
 )
 
 #: Ranks per node of the default HSDP mesh in predictions.
@@ -137,42 +141,16 @@ def _shard_rows(rows: int, shards: int) -> list[int]:
     return [max(0, min(chunk, rows - s * chunk)) for s in range(shards)]
 
 
-@dataclass
-class Traffic:
-    """One trip over ``world`` ranks: elements each rank sends and receives, and its peers."""
-
-    sent: torch.Tensor
-    received: torch.Tensor
-    peers: torch.Tensor
-
-    @property
-    def world(self) -> int:
-        return int(self.sent.numel())
-
-    @property
-    def width(self) -> int:
-        """The longest rank's elements: what ``all_gather`` pads every rank's to."""
-        return int(self.sent.max())
-
-    def seconds(self, transport: str, element_size: int, profile: DeviceProfile) -> float:
-        link = profile.link(transport)
-        if transport == "all_gather":
-            return link.seconds(self.world - 1, (self.world - 1) * self.width * element_size)
-        moved = torch.maximum(self.sent, self.received).double() * element_size
-        return float((link.latency_s * self.peers.double() + link.seconds_per_byte * moved).max())
-
-    def busiest_bytes(self, transport: str, element_size: int) -> int:
-        """Sent plus received by the rank that moves the most (what payload counting measures)."""
-        if transport == "all_gather":
-            return self.width * self.world * element_size
-        return int((self.sent + self.received).max()) * element_size
+def busiest_bytes(trip: Trip, transport: str, element_size: int = 4) -> int:
+    """Sent plus received by the rank that moves the most (what payload counting measures)."""
+    return max(sum(pair) for pair in transport_bytes(trip, element_size, transport))
 
 
 @dataclass
 class Plan:
     """The owner exchange of one step: each bucket's two trips, and Newton-Schulz FLOPs per rank."""
 
-    trips: list[tuple[Traffic, Traffic]]
+    trips: list[tuple[Trip, Trip]]
     flops: torch.Tensor  # per rank
     #: per bucket, the busiest owner's FLOPs: without overlap every rank waits for it
     bucket_flops: list[float]
@@ -208,44 +186,19 @@ def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype
 
 
 def _bucket_trips(items: list[tuple[int, tuple[int, int], int]], ranks: int,
-                  shards: int) -> tuple[Traffic, Traffic]:  # fmt: skip
-    """Pieces to their owners (one holder sends each), and every rank's piece back.
-
-    Peers of the trip back: an owner's are the ranks it returns a piece to,
-    anyone else's the owners of its shard's pieces (the larger of the two
-    where a rank is both: an owner returns to nearly every rank).
-    """
+                  shards: int) -> tuple[Trip, Trip]:  # fmt: skip
+    """Pieces to their owners (one holder sends each, the owner where it holds one), parts back."""
     replicas = ranks // shards
-    zeros = torch.zeros(ranks, dtype=torch.int64)
-    to_sent, to_received, back_received = zeros.clone(), zeros.clone(), zeros.clone()
-    back_sent, back_targets = zeros.clone(), zeros.clone()
-    pairs: set[tuple[int, int]] = set()
-    owners_of_shard: list[set[int]] = [set() for _ in range(shards)]
-    nonzero_of_owner: dict[int, torch.Tensor] = {}
     by_shard = torch.arange(ranks) % shards
+    exchanged = []
     for index, (rows, cols), owner in items:
         pieces = torch.tensor([n * cols for n in _shard_rows(rows, shards)], dtype=torch.int64)
+        senders = []
         for s in torch.nonzero(pieces).flatten().tolist():
-            owners_of_shard[s].add(owner)
-            holders = range(s, ranks, shards)
-            sender = owner if owner % shards == s else holders[index % replicas]
-            if sender != owner:
-                to_sent[sender] += pieces[s]
-                to_received[owner] += pieces[s]
-                pairs.update(((sender, owner), (owner, sender)))
-        piece_of = pieces[by_shard]
-        piece_of[owner] = 0
-        back_received += piece_of
-        back_sent[owner] += piece_of.sum()
-        nonzero_of_owner[owner] = nonzero_of_owner.get(owner, pieces == -1) | (pieces > 0)
-    for owner, mask in nonzero_of_owner.items():
-        back_targets[owner] = replicas * int(mask.sum()) - int(mask[owner % shards])
-    to_peers = zeros.clone()
-    for rank, _ in pairs:
-        to_peers[rank] += 1
-    sources = torch.tensor([len(owners_of_shard[r % shards] - {r}) for r in range(ranks)])
-    back_peers = torch.maximum(back_targets, sources)
-    return Traffic(to_sent, to_received, to_peers), Traffic(back_sent, back_received, back_peers)
+            sender = owner if owner % shards == s else s + shards * (index % replicas)
+            senders.append((sender, int(pieces[s])))
+        exchanged.append((owner, senders, pieces[by_shard]))
+    return exchange_trips(exchanged, ranks)
 
 
 # ---------------------------------------------------------------- predictions
@@ -269,8 +222,8 @@ def predict(params: Params, ranks: int, shards: int, transport: str, profile: De
             plan: Plan | None = None) -> Prediction:  # fmt: skip
     """One step of ``params`` on ``ranks`` (shard groups of ``shards``) by ``transport``."""
     plan = plan or plan_exchange(params, ranks, shards, ns_dtype, device)
-    exchange = sum(t.seconds(transport, 4, profile) for trip in plan.trips for t in trip)
-    moved = sum(t.busiest_bytes(transport, 4) for trip in plan.trips for t in trip)
+    exchange = sum(transport_seconds(t, 4, transport, profile) for ts in plan.trips for t in ts)
+    moved = sum(busiest_bytes(t, transport) for ts in plan.trips for t in ts)
     busiest = float(plan.flops.max())
     rate = profile.matmul_rate(str(ns_dtype).removeprefix("torch."), _short_side(params))
     ns = sum(plan.bucket_flops) / rate  # each bucket waits for its busiest owner

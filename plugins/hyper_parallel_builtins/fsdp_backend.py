@@ -65,10 +65,10 @@ from hyper_parallel.core.distributed import (
 )
 from hyper_parallel.core.distributed.cost import (
     TRANSPORTS,
-    SizeMatrix,
+    Trip,
     choose_transport,
     device_profile,
-    gather_width,
+    exchange_trips,
 )
 from hyper_parallel.core.distributed.toolkit import (
     DEFAULT_BUCKET_BYTES,
@@ -157,6 +157,16 @@ class _Assembly:
 
 
 @dataclass(frozen=True)
+class _Leg:
+    """One trip of a bucket as this rank sees it."""
+
+    sends: tuple[int, ...]  # elements this rank sends each rank
+    gets: tuple[int, ...]  # elements each rank sends this rank
+    starts: tuple[int, ...]  # all_gather: where each rank's part for this one starts in its data
+    width: int  # all_gather: every rank's contribution, padded to the longest
+
+
+@dataclass(frozen=True)
 class _Bucket:
     """What this rank sends, receives, transforms and gets back for one bucket of owned params."""
 
@@ -164,7 +174,7 @@ class _Bucket:
     owned: tuple[_Assembly, ...]  # the params this rank owns in the bucket
     back: tuple[tuple[tuple[int, Layout], ...], ...]  # by rank: (index, its layout) of results
     land: tuple[tuple[int, int, int], ...]  # (index, owner, offset) of every param in the bucket
-    trips: tuple[SizeMatrix, SizeMatrix]  # elements rank q sends rank o: to owners, and back
+    legs: tuple[_Leg, _Leg]  # to the owners, and back
     transport: str  # how both trips travel (hyper_parallel.core.distributed.cost)
 
 
@@ -362,20 +372,6 @@ def _make_plan(
     return _Plan(group, rank, mine, in_place, buckets)
 
 
-def _trip_sizes(items: list[_Owned], world: int) -> tuple[SizeMatrix, SizeMatrix]:
-    """Elements each rank sends each other rank: pieces to their owners, and results back."""
-    to_owners = [[0] * world for _ in range(world)]
-    back = [[0] * world for _ in range(world)]
-    for item in items:
-        for piece in item.pieces:
-            if piece.sender != item.owner:
-                to_owners[piece.sender][item.owner] += piece.layout.numel
-        for rank, layout in enumerate(item.layouts):
-            if rank != item.owner:
-                back[item.owner][rank] += layout.numel
-    return tuple(map(tuple, to_owners)), tuple(map(tuple, back))
-
-
 def bucket_bytes(nbytes: list[int], owners: list[int], world: int) -> int:
     """Whole-tensor bytes per owner and bucket: the busiest owner's share, within bounds."""
     per_owner = [0] * world
@@ -406,16 +402,16 @@ def _bucket(
     these trips on this device (every rank predicts the same).
     """
     send: list[list[int]] = [[] for _ in range(world)]
-    recv_sizes = [0] * world
+    sends, recv_sizes, back_sizes = [0] * world, [0] * world, [0] * world
     owned: list[_Assembly] = []
     back: list[list[tuple[int, Layout]]] = [[] for _ in range(world)]
-    back_sizes = [0] * world
     land: list[tuple[int, int, int]] = []
     for item in items:
         parts = []
         for piece in item.pieces:
             if piece.sender == me and item.owner != me:
                 send[item.owner].append(item.index)
+                sends[item.owner] += piece.layout.numel
             elif item.owner == me:
                 if piece.sender == me:
                     parts.append((piece.layout, -1, 0))
@@ -431,18 +427,43 @@ def _bucket(
         else:
             land.append((item.index, item.owner, back_sizes[item.owner]))
             back_sizes[item.owner] += item.layouts[me].numel
-    trips = _trip_sizes(items, world)
+    returns = [sum(layout.numel for _, layout in to) for to in back]
+    legs, trips = _legs(items, me, world, (sends, recv_sizes), (returns, back_sizes))
     like = tensors[items[0].index]
     if transport == "auto":
         transport = choose_transport(trips, like.element_size(), device_profile(like.device.type))
     return _Bucket(
-        tuple(map(tuple, send)),
-        tuple(owned),
-        tuple(map(tuple, back)),
-        tuple(land),
-        trips,
-        transport,
+        tuple(map(tuple, send)), tuple(owned), tuple(map(tuple, back)), tuple(land), legs, transport
     )
+
+
+def _legs(
+    items: list[_Owned],
+    me: int,
+    world: int,
+    to_owners: tuple[list[int], list[int]],
+    back: tuple[list[int], list[int]],
+) -> tuple[tuple[_Leg, _Leg], tuple[Trip, Trip]]:
+    """Both trips as this rank sees them (``(sends, gets)`` of each), and as the cost model does."""
+    pieces = [[(p.sender, p.layout.numel) for p in item.pieces] for item in items]
+    parts = [torch.tensor([lay.numel for lay in item.layouts]) for item in items]
+    trips = exchange_trips(
+        [(item.owner, ps, pa) for item, ps, pa in zip(items, pieces, parts, strict=True)], world
+    )
+    # all_gather: each rank's data is its parts in rank order; mine starts after the lower ranks'
+    to_start, back_start = [0] * world, [0] * world
+    for item, ps, pa in zip(items, pieces, parts, strict=True):
+        if item.owner < me:
+            for sender, numel in ps:
+                if sender != item.owner:
+                    to_start[sender] += numel
+        below = int(pa[:me].sum()) - (int(pa[item.owner]) if item.owner < me else 0)
+        back_start[item.owner] += below
+    legs = (
+        _Leg(tuple(to_owners[0]), tuple(to_owners[1]), tuple(to_start), trips[0].width),
+        _Leg(tuple(back[0]), tuple(back[1]), tuple(back_start), trips[1].width),
+    )
+    return legs, trips
 
 
 # -- running it ----------------------------------------------------------------------
@@ -485,36 +506,33 @@ def _map_in_place(
 class _InFlight:
     """One trip of a bucket, started asynchronously; :meth:`wait` gives what arrived from each rank.
 
-    ``sizes[q][o]`` is what rank ``q`` sends rank ``o``; ``parts`` are this
-    rank's, by destination. ``all_to_all`` sends each rank its part;
-    ``all_gather`` gives every rank every rank's parts (padded to the
-    longest), and this rank keeps what was meant for it.
+    ``parts`` are this rank's, by destination. ``all_to_all`` sends each rank
+    its part; ``all_gather`` gives every rank every rank's parts (padded to
+    the longest), and this rank keeps what was meant for it.
     """
 
     def __init__(
         self,
         parts: Sequence[Sequence[torch.Tensor]],
-        sizes: SizeMatrix,
-        me: int,
+        leg: _Leg,
         transport: str,
         like: torch.Tensor,
         group: ProcessGroup,
     ) -> None:
         flat = [p.reshape(-1) for ps in parts for p in ps]
         send = torch.cat(flat) if flat else like.new_empty(0)
-        self._sizes = [row[me] for row in sizes]
+        self._sizes = leg.gets
         if transport == "all_gather":
-            width = gather_width(sizes)
-            self._starts = [q * width + sum(row[:me]) for q, row in enumerate(sizes)]
-            self._recv = like.new_empty(width * len(sizes))
-            send = torch.cat([send, send.new_zeros(width - send.numel())])
+            self._starts = [q * leg.width + start for q, start in enumerate(leg.starts)]
+            self._recv = like.new_empty(leg.width * len(leg.gets))
+            send = torch.cat([send, send.new_zeros(leg.width - send.numel())])
             self._work = dist.all_gather_single(self._recv, send, group=group, async_op=True)
         else:
-            self._starts = [sum(self._sizes[:q]) for q in range(len(sizes))]
-            self._recv = like.new_empty(sum(self._sizes))
+            self._starts = [sum(leg.gets[:q]) for q in range(len(leg.gets))]
+            self._recv = like.new_empty(sum(leg.gets))
             self._work = dist.all_to_all_single(
-                self._recv, send, output_split_sizes=self._sizes,
-                input_split_sizes=list(sizes[me]), group=group, async_op=True,
+                self._recv, send, output_split_sizes=list(leg.gets),
+                input_split_sizes=list(leg.sends), group=group, async_op=True,
             )  # fmt: skip
         self._send = send  # alive until the collective is done
 
@@ -576,7 +594,7 @@ class _Exchange:
         plan, positions, bucket = step
         parts = [[self.local[positions[i]] for i in indices] for indices in bucket.send]
         like = self.local[positions[bucket.land[0][0]]]
-        return _InFlight(parts, bucket.trips[0], plan.rank, bucket.transport, like, plan.group)
+        return _InFlight(parts, bucket.legs[0], bucket.transport, like, plan.group)
 
     def _transform(self, step: _Step, received: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """Assemble the whole tensors this rank owns in the bucket; ``fn`` on their blocks, in one call."""
@@ -602,7 +620,7 @@ class _Exchange:
         plan, positions, bucket = step
         parts = [[layout.take(results[i]) for i, layout in to] for to in bucket.back]
         like = self.local[positions[bucket.land[0][0]]]
-        return _InFlight(parts, bucket.trips[1], plan.rank, bucket.transport, like, plan.group)
+        return _InFlight(parts, bucket.legs[1], bucket.transport, like, plan.group)
 
     def _land(
         self, step: _Step, results: dict[int, torch.Tensor], returned: list[torch.Tensor]

@@ -10,8 +10,8 @@ twice: pieces to their owners, results back. Either trip can travel by
   More bytes, but a ring collective: where per-peer messages are costly
   (many ranks, small pieces) it is the faster.
 
-A trip is described by its size matrix ``sizes[q][o]``: the elements rank
-``q`` sends rank ``o``. The model is alpha-beta: a collective's seconds are
+A trip is described per rank (:class:`Trip`: elements sent, received,
+peers), never as a ranks x ranks matrix. The model is alpha-beta: a collective's seconds are
 its latency per message (all-to-all: per peer; all-gather: per ring step)
 plus seconds per byte of what the busiest rank moves. The figures come from
 a :class:`DeviceProfile`: built in per device type, measured by
@@ -21,6 +21,7 @@ a :class:`DeviceProfile`: built in per device type, measured by
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -29,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from hyper_parallel.core.errors import HyperParallelValueError
 
 __all__ = [
@@ -36,9 +39,10 @@ __all__ = [
     "TRANSPORTS",
     "DeviceProfile",
     "LinkCost",
+    "Trip",
     "choose_transport",
     "device_profile",
-    "gather_width",
+    "exchange_trips",
     "transport_bytes",
     "transport_seconds",
 ]
@@ -48,8 +52,6 @@ TRANSPORTS = ("all_to_all", "all_gather")
 
 #: Environment variable naming a JSON device profile (see :meth:`DeviceProfile.from_json`).
 PROFILE_ENV = "HYPER_PARALLEL_DEVICE_PROFILE"
-
-SizeMatrix = Sequence[Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -178,53 +180,114 @@ def device_profile(device_type: str = "cpu") -> DeviceProfile | None:
     return _BUILTIN.get(device_type)
 
 
-def transport_bytes(sizes: SizeMatrix, element_size: int, transport: str) -> list[tuple[int, int]]:
-    """Per rank, the bytes it hands a trip's collective and the bytes it gets from others.
+@dataclass(frozen=True)
+class Trip:
+    """One trip of a bucket: per rank, the elements it sends and receives, and its peers.
+
+    ``sent``, ``received`` and ``peers`` are int64 tensors with one entry per
+    rank. Built by :func:`exchange_trips` (or :meth:`from_sizes` for a
+    small world) in ``O(items x world)``, never ``world x world``.
+    """
+
+    sent: torch.Tensor
+    received: torch.Tensor
+    peers: torch.Tensor
+
+    @classmethod
+    def from_sizes(cls, sizes: Sequence[Sequence[int]]) -> Trip:
+        """The trip of a size matrix: ``sizes[q][o]`` elements from rank ``q`` to rank ``o``."""
+        m = torch.tensor(sizes, dtype=torch.int64).reshape(len(sizes), len(sizes))
+        m.fill_diagonal_(0)
+        talks = (m > 0) | (m.T > 0)
+        return cls(m.sum(1), m.sum(0), talks.sum(1))
+
+    @property
+    def world(self) -> int:
+        return int(self.sent.numel())
+
+    @property
+    def width(self) -> int:
+        """Elements every rank contributes to an ``all_gather`` trip: the longest rank's."""
+        return int(self.sent.max()) if self.world else 0
+
+
+def exchange_trips(
+    items: Sequence[tuple[int, Sequence[tuple[int, int]], torch.Tensor]], world: int
+) -> tuple[Trip, Trip]:
+    """The two trips of one bucket of the owner exchange.
+
+    Args:
+        items: Per matrix, ``(owner, pieces, parts)``: ``pieces`` are the
+            ``(sender, elements)`` of each distinct piece sent to the owner,
+            ``parts`` (int64, one per rank) each rank's elements of the
+            result, returned by the owner.
+        world: Ranks of the exchange.
+
+    Returns:
+        The trip to the owners and the trip back. Peers of the trip back: an
+        owner's are the ranks it returns a part to, anyone else's the owners
+        that return one to it (the larger where a rank is both).
+    """
+    zeros = torch.zeros(world, dtype=torch.int64)
+    to_sent, to_received, back_sent = [0] * world, [0] * world, [0] * world
+    back_received = zeros.clone()
+    pairs: set[tuple[int, int]] = set()
+    targets: dict[int, torch.Tensor] = {}
+    for owner, pieces, parts in items:
+        for sender, elements in pieces:
+            if sender != owner and elements:
+                to_sent[sender] += elements
+                to_received[owner] += elements
+                pairs.update(((sender, owner), (owner, sender)))
+        others = parts.clone()
+        others[owner] = 0
+        back_received += others
+        back_sent[owner] += int(others.sum())
+        targets[owner] = targets.get(owner, zeros > 0) | (others > 0)
+    to_peers = collections.Counter(rank for rank, _ in pairs)
+    sources, reach = zeros.clone(), zeros.clone()
+    for owner, mask in targets.items():
+        sources += mask.long()
+        reach[owner] = int(mask.sum())
+    to_owners = Trip(
+        torch.tensor(to_sent), torch.tensor(to_received),
+        torch.tensor([to_peers[r] for r in range(world)], dtype=torch.int64),
+    )  # fmt: skip
+    back = Trip(torch.tensor(back_sent), back_received, torch.maximum(reach, sources))
+    return to_owners, back
+
+
+def transport_bytes(trip: Trip, element_size: int, transport: str) -> list[tuple[int, int]]:
+    """Per rank, the bytes it hands the trip's collective and the bytes it gets from others.
 
     ``all_to_all``: what it sends its peers, what its peers send it.
     ``all_gather``: its padded contribution, and every other rank's.
     """
-    world = len(sizes)
     if transport == "all_to_all":
         return [
-            (
-                sum(sizes[r][o] for o in range(world) if o != r) * element_size,
-                sum(sizes[q][r] for q in range(world) if q != r) * element_size,
-            )
-            for r in range(world)
+            (s * element_size, r * element_size)
+            for s, r in zip(trip.sent.tolist(), trip.received.tolist(), strict=True)
         ]
-    padded = gather_width(sizes) * element_size
-    return [(padded, padded * (world - 1))] * world
-
-
-def gather_width(sizes: SizeMatrix) -> int:
-    """Elements every rank contributes to an ``all_gather`` trip: the longest rank's, padded."""
-    return max((sum(row) for row in sizes), default=0)
+    padded = trip.width * element_size
+    return [(padded, padded * (trip.world - 1))] * trip.world
 
 
 def transport_seconds(
-    sizes: SizeMatrix, element_size: int, transport: str, profile: DeviceProfile
+    trip: Trip, element_size: int, transport: str, profile: DeviceProfile
 ) -> float:
     """Predicted seconds of one trip: the busiest rank's latency plus its bytes over the link."""
-    link, world = profile.link(transport), len(sizes)
-    moved = transport_bytes(sizes, element_size, transport)
+    link = profile.link(transport)
+    if trip.world < 2:
+        return 0.0
     if transport == "all_gather":
-        return link.seconds(world - 1, moved[0][1]) if world > 1 else 0.0
-    return max(
-        (
-            link.seconds(_peers(sizes, r), max(sent, received))
-            for r, (sent, received) in enumerate(moved)
-        ),
-        default=0.0,
-    )
-
-
-def _peers(sizes: SizeMatrix, rank: int) -> int:
-    return sum(1 for o in range(len(sizes)) if o != rank and (sizes[rank][o] or sizes[o][rank]))
+        return link.seconds(trip.world - 1, (trip.world - 1) * trip.width * element_size)
+    moved = torch.maximum(trip.sent, trip.received).double() * element_size
+    seconds = link.latency_s * trip.peers.double() + link.seconds_per_byte * moved
+    return float(seconds.max())
 
 
 def choose_transport(
-    trips: Sequence[SizeMatrix], element_size: int, profile: DeviceProfile | None
+    trips: Sequence[Trip], element_size: int, profile: DeviceProfile | None
 ) -> str:
     """The transport with the fewer predicted seconds over ``trips`` (``all_to_all`` on a tie).
 
