@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.suite import (
     Row,
@@ -130,3 +131,27 @@ def test_a_step_slower_than_the_figure_budget_is_timed_fewer_times(
     # warm-up, then: 5 repeats; 10 s / 4 s = 2; the slow one's first call is its figure
     assert calls == {"fast": 6, "mid": 3, "slow": 1}
     assert medians == seconds and first == seconds
+
+
+def test_a_peer_step_is_projected_from_one_step_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks.suite as suite
+
+    clock = [0.0]
+    steps_by_shape: dict[tuple[int, ...], int] = {}
+
+    class Fake(torch.optim.Optimizer):
+        def __init__(self, params: list[torch.nn.Parameter]) -> None:
+            super().__init__(params, {})
+
+        def step(self, closure: object = None) -> None:  # type: ignore[override]
+            for group in self.param_groups:
+                for p in group["params"]:
+                    steps_by_shape[tuple(p.shape)] = steps_by_shape.get(tuple(p.shape), 0) + 1
+                    clock[0] += p.numel() / 100  # seconds proportional to the matrix's size
+
+    monkeypatch.setattr(suite.time, "perf_counter", lambda: clock[0])
+    shapes = [(4, 4)] * 5 + [(8, 4)] * 2
+    projected = suite._projected_step_seconds(Fake, shapes, "cpu")
+    # a warm-up and a timed step on one matrix of each shape, never the full set
+    assert steps_by_shape == {(4, 4): 2, (8, 4): 2}
+    assert projected == pytest.approx(5 * 0.16 + 2 * 0.32)
