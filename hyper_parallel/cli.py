@@ -1,4 +1,4 @@
-"""The ``hyper-parallel`` command line: ``plugins`` and ``train``."""
+"""The ``hyper-parallel`` command line: ``plugins``, ``train`` and ``checkpoint verify``."""
 
 from __future__ import annotations
 
@@ -98,6 +98,48 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
+def _cmd_checkpoint_verify(args: argparse.Namespace) -> int:
+    """One line per checkpoint at or under ``args.path``; 1 if any is corrupt."""
+    from pathlib import Path
+
+    from hyper_parallel.checkpoint import find_checkpoints, verify
+
+    root = Path(args.path)
+    if not root.exists():
+        _fail(f"checkpoint verify: {root} does not exist; give a checkpoint or a folder of them")
+    found = find_checkpoints(root)
+    if not found:
+        _fail(f"checkpoint verify: no checkpoint at or under {root}")
+    corrupt = 0
+    for path in found:
+        checked = verify(path)
+        corrupt += not checked.ok
+        print(checked.line(), flush=True)
+    if len(found) > 1:
+        print(f"{len(found) - corrupt} intact, {corrupt} corrupt")
+    return 1 if corrupt else 0
+
+
+def _add_checkpoint_parser(sub: Any) -> None:
+    """``checkpoint verify PATH``."""
+    parser = sub.add_parser(
+        "checkpoint",
+        help="check checkpoints",
+        description="Work with hyper_parallel checkpoints.",
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    verify = actions.add_parser(
+        "verify",
+        help="check every file of a checkpoint (or of every checkpoint under a folder) against "
+        "its manifest",
+        description="Check every file of a checkpoint, or of every checkpoint under a folder, "
+        "against the sizes and checksums its manifest recorded. Prints one line per "
+        "checkpoint; exits 1 if any is corrupt.",
+    )
+    verify.add_argument("path", metavar="PATH", help="a checkpoint, or a folder of them")
+    verify.set_defaults(handler=_cmd_checkpoint_verify)
+
+
 def _add_train_parser(sub: Any) -> None:
     """``train``: one flag per :class:`~hyper_parallel.train.TrainConfig` field."""
     from hyper_parallel.train.config import config_fields
@@ -143,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true", help="print machine-readable JSON")
     plugins.set_defaults(handler=_cmd_plugins)
     _add_train_parser(sub)
+    _add_checkpoint_parser(sub)
     return parser
 
 

@@ -14,7 +14,7 @@ from distributed import run_distributed
 
 from conftest import TinyLM, lm_loss
 from hyper_parallel import checkpoint
-from hyper_parallel.checkpoint import CheckpointError, CheckpointManager
+from hyper_parallel.checkpoint import CheckpointError, CheckpointManager, _saving
 from hyper_parallel.core.optimizer import get_hyper_lr_scheduler, get_hyper_optimizer
 
 
@@ -113,7 +113,7 @@ def test_crash_mid_save_keeps_previous_and_retention(
     def crash(tmp: Path, target: Path) -> None:
         raise OSError("disk gone")
 
-    monkeypatch.setattr(checkpoint, "_commit", crash)
+    monkeypatch.setattr(_saving, "_replace", crash)
     _train(model, opt, sched, batch, 1)
     with pytest.raises(OSError, match="disk gone"):
         manager.save(4, model=model, optimizer=opt, scheduler=sched)
@@ -256,5 +256,15 @@ def test_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
     model, opt, sched = _build()
     path = checkpoint.save(tmp_path / "ckpt", model=model, optimizer=opt, scheduler=sched, step=0)
     (path / ".metadata").write_bytes(pickle.dumps(os.system))
+    _reseal(path)  # whoever plants it can also fix the checksums: they guard against accidents
     with pytest.raises(CheckpointError, match=r"Refusing to load posix\.system"):
         checkpoint.load(path, model=model, optimizer=opt, scheduler=sched)
+
+
+def _reseal(path: Path) -> None:
+    """Record the checkpoint's files as they are now, as a deliberate edit would."""
+    from hyper_parallel.checkpoint._integrity import MANIFEST, digest_file, write_manifest
+
+    meta = json.loads((path / MANIFEST).read_text())
+    files = {name: digest_file(path / name) for name in meta.pop("files")}
+    write_manifest(path, {k: v for k, v in meta.items() if not k.endswith("xxh3_64")}, files)

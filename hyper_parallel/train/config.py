@@ -148,8 +148,16 @@ class TrainConfig:
         default=0,
         metadata=_option("also save every N steps (default: only at the end)", metavar="N"),
     )
+    checkpoint_async: bool = field(
+        default=False,
+        metadata=_option("write checkpoints in the background while training goes on"),
+    )
     resume: bool = field(
-        default=False, metadata=_option("continue from the newest checkpoint in --checkpoint-dir")
+        default=False,
+        metadata=_option(
+            "continue from the newest intact checkpoint in --checkpoint-dir (a corrupt one is "
+            "skipped, with a message)"
+        ),
     )
 
     def validate(self) -> None:
@@ -178,8 +186,12 @@ class TrainConfig:
                 raise TrainError(f"{_flag(name)} must be a positive number, got {value}")
         if self.checkpoint_every < 0:
             raise TrainError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        if (self.resume or self.checkpoint_every) and self.checkpoint_dir is None:
-            raise TrainError("--resume and --checkpoint-every need --checkpoint-dir DIR")
+        if (self.resume or self.checkpoint_every or self.checkpoint_async) and (
+            self.checkpoint_dir is None
+        ):
+            raise TrainError(
+                "--resume, --checkpoint-every and --checkpoint-async need --checkpoint-dir DIR"
+            )
         if self.weight_decay < 0:
             raise TrainError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.dim % self.heads:

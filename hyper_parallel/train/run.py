@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,7 +180,9 @@ class _Run:
         checkpoints = _checkpoints(config, name)
         done = 0
         if checkpoints is not None and config.resume:
-            done = _resume(checkpoints, model, optimizer, scheduler, train_batches)
+            done = _resume(
+                checkpoints, model, optimizer, scheduler, train_batches, placement.rank == 0
+            )
         result = RunResult(name=name, steps_done=done)
         bar = progress_factory(total=config.steps, desc=name) if progress_factory else None
         tokens_per_step = config.batch_size * config.seq_len * placement.world_size
@@ -328,7 +332,11 @@ def _checkpoints(config: TrainConfig, name: str) -> CheckpointManager | None:
         return None
     from hyper_parallel.checkpoint import CheckpointManager
 
-    return CheckpointManager(config.checkpoint_dir / name.replace("+", "_"), keep_last=2)
+    return CheckpointManager(
+        config.checkpoint_dir / name.replace("+", "_"),
+        keep_last=2,
+        async_save=config.checkpoint_async,
+    )
 
 
 def _resume(
@@ -337,9 +345,19 @@ def _resume(
     optimizer: ChainedOptimizer,
     scheduler: HyperLRScheduler,
     train_batches: Iterator[torch.Tensor],
+    report: bool,
 ) -> int:
-    """Load the newest checkpoint, if any, and skip the batches it trained on; its step."""
-    done = checkpoints.load_latest(model=model, optimizer=optimizer, scheduler=scheduler) or 0
+    """Load the newest intact checkpoint, if any, and skip the batches it trained on; its step.
+
+    A corrupt checkpoint skipped on the way is reported on stderr when ``report``.
+    """
+    with warnings.catch_warnings(record=True) as skipped:
+        warnings.simplefilter("always", UserWarning)
+        done = checkpoints.load_latest(model=model, optimizer=optimizer, scheduler=scheduler) or 0
+    for warning in skipped if report else []:
+        print(f"hyper-parallel train: --resume: {warning.message}", file=sys.stderr)
+    if skipped and report:
+        print(f"hyper-parallel train: --resume: resuming from step {done}", file=sys.stderr)
     for _ in range(done):  # the same batches as an uninterrupted run
         next(train_batches)
     return done
@@ -369,4 +387,6 @@ def run_one(
     finally:
         if run.bar is not None:
             run.bar.close()
+        if run.checkpoints is not None:
+            run.checkpoints.wait()  # a background save in flight is committed before we go on
     return run.finish()

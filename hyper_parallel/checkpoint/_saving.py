@@ -1,0 +1,205 @@
+"""Writing a checkpoint, in the caller's thread or behind training: at most one save in flight.
+
+A save is one :class:`SaveJob`: DCP writes the tensors into
+``<parent>/.tmp-<name>``, every rank fsyncs and checksums its share of the
+files, and rank 0 writes the manifest, renames the directory into place and
+runs the commit hook (the manager's ``latest`` pointer and retention). A crash
+at any point before the rename leaves only a ``.tmp-`` directory, which no load
+reads.
+
+An asynchronous save first copies the state to CPU memory (DCP's stager), so
+training may change the model as soon as :meth:`Saver.submit` returns; the job
+then runs in a background thread. Under a process group that thread talks only
+over a gloo group of its own, so its collectives never interleave with the
+training step's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from hyper_parallel.checkpoint._errors import CheckpointError, is_dist, rank, reason
+from hyper_parallel.checkpoint._integrity import checksum_share, fsync_dir, write_manifest
+
+__all__ = ["SaveJob", "Saver", "make_writer", "saver"]
+
+# A save without a process group is meant to be one process's; DCP says so on every
+# call, from whichever thread writes. ``warnings.catch_warnings`` is not thread-safe,
+# so this one message is filtered for the process instead.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized, assuming the intent "
+    "is to save in a single process",
+    category=UserWarning,
+)
+
+
+def make_writer(directory: Path) -> FileSystemWriter:
+    """The DCP writer of one checkpoint directory (a seam for tests that need a slow disk)."""
+    return FileSystemWriter(directory)
+
+
+@dataclass
+class SaveJob:
+    """Everything one save writes, and where; :meth:`run` on every rank."""
+
+    tensors: dict[str, Any]
+    meta: dict[str, Any]
+    target: Path
+    on_commit: Callable[[Path], None] | None = None
+
+    @property
+    def tmp(self) -> Path:
+        return self.target.parent / f".tmp-{self.target.name}"
+
+    def prepare(self) -> None:
+        """Make an empty ``tmp`` directory (rank 0; call before :meth:`run`, then barrier)."""
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        if self.tmp.exists():  # left by a crashed save
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+
+    def run(self, group: dist.ProcessGroup | None) -> None:
+        """Write, checksum and commit, talking over ``group`` (the default one if ``None``)."""
+        dcp_save(
+            self.tensors,
+            storage_writer=make_writer(self.tmp),
+            process_group=group,
+            no_dist=not is_dist(),
+        )
+        files = checksum_share(self.tmp, group)
+        if rank() == 0:
+            write_manifest(self.tmp, self.meta, files)
+            _replace(self.tmp, self.target)
+            if self.on_commit is not None:
+                self.on_commit(self.target)
+        if is_dist():
+            dist.barrier(group=group)
+
+
+def _replace(tmp: Path, target: Path) -> None:
+    """Move the finished ``tmp`` directory to ``target``, replacing an older one, durably."""
+    old = target.parent / f".old-{target.name}"
+    if target.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(target, old)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _stage(tensors: dict[str, Any]) -> dict[str, Any]:
+    """A CPU copy of ``tensors`` that training cannot change."""
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
+    try:
+        staged = stager.stage(tensors)
+    finally:
+        stager.close()
+    assert isinstance(staged, dict)
+    return staged
+
+
+class Saver:
+    """Runs save jobs, at most one at a time; the one behind every save of this process."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._running: SaveJob | None = None
+        self._failure: tuple[Path, BaseException] | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._world: object = None  # the default group ``_group`` was made under
+        atexit.register(self._report_at_exit)
+
+    def submit(self, job: SaveJob, *, background: bool) -> None:
+        """Run ``job`` now, or stage it and run it in the background.
+
+        Waits for the save in flight first, and raises its failure if it had one.
+        """
+        self.wait()
+        if rank() == 0:
+            job.prepare()
+        if is_dist():
+            dist.barrier()
+        if not background:
+            job.run(None)
+            return
+        job.tensors = _stage(job.tensors)
+        group = self._background_group()
+        self._running = job
+        self._thread = threading.Thread(
+            target=self._run, args=(job, group), name="hyper_parallel-checkpoint", daemon=False
+        )
+        self._thread.start()
+
+    def _run(self, job: SaveJob, group: dist.ProcessGroup | None) -> None:
+        try:
+            job.run(group)
+        except BaseException as exc:  # surfaced by wait()
+            self._failure = (job.target, exc)
+
+    def _background_group(self) -> dist.ProcessGroup | None:
+        """A gloo group for the background thread alone (collective: every rank, main thread)."""
+        if not is_dist():
+            return None
+        if self._group is None or self._world is not dist.group.WORLD:
+            self._group = dist.new_group(backend="gloo")
+            self._world = dist.group.WORLD
+        return self._group
+
+    @property
+    def in_flight(self) -> Path | None:
+        """The checkpoint being written in the background, or ``None``."""
+        thread, job = self._thread, self._running
+        return job.target if thread is not None and thread.is_alive() and job else None
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed.
+
+        Raises:
+            CheckpointError: the save in flight (or an earlier background one) failed.
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = self._running = None
+        if self._failure is not None:
+            target, exc = self._failure
+            self._failure = None
+            raise CheckpointError(
+                f"The asynchronous save of {target} failed: {reason(exc)}. The previous "
+                "checkpoint is intact."
+            ) from exc
+
+    def _report_at_exit(self) -> None:
+        # the interpreter joined the (non-daemon) thread before atexit runs
+        if self._failure is not None:
+            target, exc = self._failure
+            print(
+                f"hyper_parallel: the asynchronous save of {target} failed: {reason(exc)}",
+                file=sys.stderr,
+            )
+
+
+saver = Saver()
