@@ -19,7 +19,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PEER_DIR", "PEER_REQUIREMENTS", "MuonPeer", "install_peers", "muon_peers"]
+__all__ = [
+    "PEER_DIR",
+    "PEER_REQUIREMENTS",
+    "MuonPeer",
+    "install_peers",
+    "muon_peers",
+    "use_peer_dir",
+]
 
 PEER_DIR = Path(__file__).resolve().parent.parent / ".bench-peers"
 
@@ -29,6 +36,7 @@ PEER_REQUIREMENTS = (
     "heavyball==3.2.1",
     "opt-einsum>=3.4",  # heavyball's one dependency besides torch and numpy
     "pytorch-optimizer==4.1.0",
+    "google-crc32c==1.9.0",  # the checkpoint case's CRC32C
 )
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -52,7 +60,7 @@ def install_peers() -> int:
     return subprocess.call(command)
 
 
-def _use_peer_dir() -> None:
+def use_peer_dir() -> None:
     if PEER_DIR.is_dir() and str(PEER_DIR) not in sys.path:
         sys.path.append(str(PEER_DIR))
 
@@ -91,7 +99,7 @@ MUON_PEER_NAMES = ("torch.optim.Muon", "timm", "heavyball", "pytorch_optimizer")
 
 def muon_peers(lr: float, names: tuple[str, ...] = MUON_PEER_NAMES) -> list[MuonPeer]:
     """The peer Muons named (all by default), each at its own defaults but ``lr``."""
-    _use_peer_dir()
+    use_peer_dir()
 
     def torch_muon() -> OptimizerFactory:
         muon = getattr(torch.optim, "Muon", None)
@@ -123,7 +131,7 @@ def muon_peers(lr: float, names: tuple[str, ...] = MUON_PEER_NAMES) -> list[Muon
 
 def peer_versions() -> dict[str, str]:
     """Installed version of each peer package, or ``"missing"``."""
-    _use_peer_dir()
+    use_peer_dir()
     from importlib.metadata import PackageNotFoundError, distributions, version
 
     found: dict[str, str] = {}

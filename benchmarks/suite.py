@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.checkpoint import case_checkpoint
 from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
 
 __all__ = ["CASES", "Row", "expert_shapes", "main", "plot_label", "transformer_shapes"]
@@ -85,6 +86,7 @@ class Settings:
     dist_layers: int = 4
     dist_tp_dim: int = 256  # FSDP x TP rows: 4 processes, so smaller
     dist_tp_layers: int = 2
+    checkpoint_params: int = 100_000_000
     quick_flag: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -582,6 +584,7 @@ CASES: dict[str, Callable[[Settings], Iterator[Row]]] = {
     "chained": case_chained,
     "distributed": case_distributed,
     "import": case_import,
+    "checkpoint": case_checkpoint,
 }
 
 
@@ -730,7 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings()
     if args.quick:
         settings = Settings(dims=(256,), layers=4, repeats=3, dist_dims=(256,), dist_layers=2,
-                            dist_tp_dim=128, quick_flag="--quick")  # fmt: skip
+                            dist_tp_dim=128, checkpoint_params=5_000_000, quick_flag="--quick")  # fmt: skip
     if args.dims:
         settings.dims = tuple(int(d) for d in args.dims.split(","))
     if args.layers:

@@ -155,3 +155,17 @@ def test_a_peer_step_is_projected_from_one_step_per_shape(monkeypatch: pytest.Mo
     # a warm-up and a timed step on one matrix of each shape, never the full set
     assert steps_by_shape == {(4, 4): 2, (8, 4): 2}
     assert projected == pytest.approx(5 * 0.16 + 2 * 0.32)
+
+
+def test_checkpoint_case_times_saves_and_every_checksum() -> None:
+    from benchmarks.checkpoint import case_checkpoint
+
+    rows = list(case_checkpoint(Settings(repeats=1, checkpoint_params=200_000)))
+    assert [(r.ours_label, r.peer_label) for r in rows] == [
+        ("async save", "synchronous save"),
+        ("fsync + checksum of every file", "synchronous save"),
+        ("xxh3_64 (checkpoints)", "crc32c"),
+        ("xxh3_64 (checkpoints)", "sha256"),
+    ]
+    assert all(r.ours and r.ours > 0 for r in rows) and rows[0].peer and rows[3].peer
+    assert rows[1].target == "<= 0.05" and rows[2].target == rows[3].target == "<= 1.0"

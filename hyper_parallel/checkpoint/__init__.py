@@ -49,6 +49,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -70,7 +71,7 @@ from hyper_parallel.checkpoint._integrity import (
     MANIFEST,
     verified_manifest,
 )
-from hyper_parallel.checkpoint._saving import SaveJob, saver
+from hyper_parallel.checkpoint._saving import SaveJob, new_stager, saver
 from hyper_parallel.checkpoint._state import (
     GROUP_TENSOR_PREFIX,
     OptimizerView,
@@ -472,6 +473,8 @@ class CheckpointManager:
         keep_last: How many checkpoints to keep (the newest); ``None`` keeps all.
         async_save: Save in the background (see :func:`save`); the pointer
             moves and old checkpoints go only once the new one is committed.
+            The manager keeps its CPU copy of the state between saves, so
+            later saves copy into it instead of allocating anew.
 
     Examples:
         >>> manager = CheckpointManager("ckpt", keep_last=2)
@@ -494,6 +497,7 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = bool(async_save)
+        self._stager: DefaultStager | None = None  # one CPU copy of the state, reused
 
     def path_for(self, step: int) -> Path:
         """The directory of the checkpoint at ``step``."""
@@ -515,7 +519,9 @@ class CheckpointManager:
         """
         job = _job(self.path_for(step), model, optimizer, scheduler, step, extra)
         job.on_commit = self._committed
-        saver.submit(job, background=self.async_save)
+        if self.async_save and self._stager is None:
+            self._stager = new_stager()
+        saver.submit(job, background=self.async_save, stager=self._stager)
         return job.target
 
     def _committed(self, target: Path) -> None:

@@ -15,6 +15,7 @@ fails every rank alike.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import warnings
@@ -50,22 +51,21 @@ FORMAT_VERSION = 2
 _UNCHECKED_VERSION = 1  # written before checksums: still read, with a warning
 ALGORITHM = "xxh3_64"
 _SELF = "manifest_" + ALGORITHM
-_CHUNK = 8 << 20
 
 
 def digest_file(path: Path, *, sync: bool = False) -> dict[str, Any]:
-    """``{"bytes": size, "xxh3_64": hex digest}`` of one file; ``sync`` fsyncs it first."""
-    hasher = xxhash.xxh3_64()
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    size = 0
+    """``{"bytes": size, "xxh3_64": hex digest}`` of one file; ``sync`` fsyncs it first.
+
+    The file is mapped, not read: the checksum runs over the page cache without a copy.
+    """
     with open(path, "rb") as file:
         if sync:
             os.fsync(file.fileno())
-        while count := file.readinto(buffer):
-            hasher.update(view[:count])
-            size += count
-    return {"bytes": size, ALGORITHM: hasher.hexdigest()}
+        size = os.fstat(file.fileno()).st_size
+        if not size:  # an empty file cannot be mapped
+            return {"bytes": 0, ALGORITHM: xxhash.xxh3_64_hexdigest(b"")}
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return {"bytes": size, ALGORITHM: xxhash.xxh3_64_hexdigest(mapped)}
 
 
 def _seal_field(digest: bytes) -> bytes:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from hyper_parallel.checkpoint._errors import CheckpointError, is_dist, rank, reason
 from hyper_parallel.checkpoint._integrity import checksum_share, fsync_dir, write_manifest
 
-__all__ = ["SaveJob", "Saver", "make_writer", "saver"]
+__all__ = ["SaveJob", "Saver", "make_writer", "new_stager", "saver"]
 
 # A save without a process group is meant to be one process's; DCP says so on every
 # call, from whichever thread writes. ``warnings.catch_warnings`` is not thread-safe,
@@ -104,9 +104,14 @@ def _replace(tmp: Path, target: Path) -> None:
         shutil.rmtree(old)
 
 
-def _stage(tensors: dict[str, Any]) -> dict[str, Any]:
-    """A CPU copy of ``tensors`` that training cannot change."""
-    stager = DefaultStager(
+def new_stager() -> DefaultStager:
+    """A stager that copies state to plain CPU memory, in the caller's thread.
+
+    It keeps its copies' storage for the next :meth:`~DefaultStager.stage` of
+    the same tensors, so a manager that keeps one stages later saves by a plain
+    copy, without allocating (and faulting in) fresh memory each time.
+    """
+    return DefaultStager(
         StagingOptions(
             use_pinned_memory=False,
             use_shared_memory=False,
@@ -114,12 +119,6 @@ def _stage(tensors: dict[str, Any]) -> dict[str, Any]:
             use_non_blocking_copy=False,
         )
     )
-    try:
-        staged = stager.stage(tensors)
-    finally:
-        stager.close()
-    assert isinstance(staged, dict)
-    return staged
 
 
 class Saver:
@@ -133,10 +132,14 @@ class Saver:
         self._world: object = None  # the default group ``_group`` was made under
         atexit.register(self._report_at_exit)
 
-    def submit(self, job: SaveJob, *, background: bool) -> None:
+    def submit(
+        self, job: SaveJob, *, background: bool, stager: DefaultStager | None = None
+    ) -> None:
         """Run ``job`` now, or stage it and run it in the background.
 
         Waits for the save in flight first, and raises its failure if it had one.
+        A background job is staged by ``stager`` (kept by the caller for its
+        next save), or by a stager of its own that is closed after the write.
         """
         self.wait()
         if rank() == 0:
@@ -146,19 +149,29 @@ class Saver:
         if not background:
             job.run(None)
             return
-        job.tensors = _stage(job.tensors)
+        owned = None
+        if stager is None:
+            stager = owned = new_stager()
+        staged = stager.stage(job.tensors)
+        assert isinstance(staged, dict)
+        job.tensors = staged
         group = self._background_group()
         self._running = job
         self._thread = threading.Thread(
-            target=self._run, args=(job, group), name="hyper_parallel-checkpoint", daemon=False
+            target=self._run, args=(job, group, owned), name="hyper_parallel-checkpoint"
         )
         self._thread.start()
 
-    def _run(self, job: SaveJob, group: dist.ProcessGroup | None) -> None:
+    def _run(
+        self, job: SaveJob, group: dist.ProcessGroup | None, owned: DefaultStager | None
+    ) -> None:
         try:
             job.run(group)
         except BaseException as exc:  # surfaced by wait()
             self._failure = (job.target, exc)
+        finally:
+            if owned is not None:
+                owned.close()
 
     def _background_group(self) -> dist.ProcessGroup | None:
         """A gloo group for the background thread alone (collective: every rank, main thread)."""
