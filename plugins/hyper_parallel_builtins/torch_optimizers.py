@@ -38,8 +38,30 @@ def torch_optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
     return found
 
 
+#: What torch's optimizers need that a plain loop does not give (see ``register``).
+_SPARSE_ONLY = {"sparseadam"}
+_MATRICES_ONLY = {"torch_muon"}
+
+
+def _requirements(name: str, cls: type[torch.optim.Optimizer]) -> list[str]:
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    requires = []
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        requires.append("closure")  # LBFGS
+    if name in _SPARSE_ONLY:
+        requires.append("sparse_grads")
+    if name in _MATRICES_ONLY:
+        requires.append("matrices_only")
+    return requires
+
+
 @hookimpl
 def hyper_parallel_register_optimizers(register: RegisterFn) -> None:
-    """Register each ``torch.optim`` optimizer."""
+    """Register each ``torch.optim`` optimizer, with what it needs of its loop."""
     for name, cls in torch_optimizer_classes().items():
-        register(name, cls, description=f"torch.optim.{cls.__name__}")
+        register(
+            name,
+            cls,
+            description=f"torch.optim.{cls.__name__}",
+            requires=_requirements(name, cls),
+        )

@@ -46,6 +46,7 @@ __all__ = [
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
     "ENTRY_TYPES",
+    "OPTIMIZER_REQUIREMENTS",
     "STRICT_ENV",
     "BackendEntry",
     "LoadedPlugin",
@@ -125,9 +126,29 @@ class RegistryEntry:
         return f"plugin {self.plugin!r} ({where})"
 
 
+#: What an optimizer may need of the loop that steps it (``register(..., requires=...)``).
+OPTIMIZER_REQUIREMENTS: dict[str, str] = {
+    "closure": "its step needs a closure that re-evaluates the loss",
+    "sparse_grads": "it takes sparse gradients only",
+    "matrices_only": "it takes only params with two or more dims",
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerEntry(RegistryEntry):
-    """A registered optimizer: ``obj(params, **kwargs) -> torch.optim.Optimizer``."""
+    """A registered optimizer: ``obj(params, **kwargs) -> torch.optim.Optimizer``.
+
+    ``requires`` names what it needs of the loop that steps it, from
+    :data:`OPTIMIZER_REQUIREMENTS`; a plain loop (dense gradients on every
+    param, ``step()`` without a closure) can use it when that is empty.
+    """
+
+    requires: tuple[str, ...] = ()
+
+    def unusable_in_plain_loop(self) -> str | None:
+        """Why a plain training loop cannot step this optimizer, or ``None`` if it can."""
+        reasons = [OPTIMIZER_REQUIREMENTS[r] for r in self.requires]
+        return "; ".join(reasons) or None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,7 +341,12 @@ class Registry:
         kind: PluginKind, plugin: str, distribution: str | None, staged: list[RegistryEntry]
     ) -> Callable[..., None]:
         def register(
-            name: str, obj: Any, *, description: str = "", aliases: Sequence[str] = ()
+            name: str,
+            obj: Any,
+            *,
+            description: str = "",
+            aliases: Sequence[str] = (),
+            requires: Sequence[str] = (),
         ) -> None:
             if not isinstance(name, str) or not _NAME_RE.match(name):
                 raise HyperParallelValueError(
@@ -336,6 +362,7 @@ class Registry:
                         f"alias {alias!r} of {kind.label} {name!r} is not a valid name."
                     )
             check_obj(kind, name, obj)
+            extra = {"requires": _requirements(kind, name, requires)} if requires else {}
             entry = ENTRY_TYPES[kind](
                 kind=kind,
                 name=normalize_name(name),
@@ -344,6 +371,7 @@ class Registry:
                 aliases=tuple(normalize_name(a) for a in aliases),
                 plugin=plugin,
                 distribution=distribution,
+                **extra,
             )
             # Duplicates within one plugin are caught here; across plugins in _add_entry.
             for other in staged:
@@ -497,6 +525,25 @@ def _register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> No
         raise pluggy.PluginValidationError(
             plugin, f"{exc}; the hooks are: {', '.join(k.hook_name for k in PluginKind)}"
         ) from None
+
+
+def _requirements(kind: PluginKind, name: str, requires: Sequence[str]) -> tuple[str, ...]:
+    """``requires`` checked: only optimizers have them, and only the known ones."""
+    if kind is not PluginKind.OPTIMIZER:
+        raise HyperParallelValueError(
+            f"requires= is for optimizers; {kind.label} {name!r} cannot have it."
+        )
+    if isinstance(requires, str):
+        raise HyperParallelTypeError(
+            f"requires of optimizer {name!r} must be a sequence of str, not a str."
+        )
+    unknown = sorted(set(requires) - set(OPTIMIZER_REQUIREMENTS))
+    if unknown:
+        raise HyperParallelValueError(
+            f"optimizer {name!r} requires {unknown}, which are not known; use any of "
+            f"{sorted(OPTIMIZER_REQUIREMENTS)}."
+        )
+    return tuple(requires)
 
 
 def _first_doc_line(obj: Any) -> str:

@@ -12,7 +12,13 @@ class RegisterFn(Protocol):
     """The ``register`` callback every hook receives."""
 
     def __call__(
-        self, name: str, obj: Any, *, description: str = "", aliases: Sequence[str] = ()
+        self,
+        name: str,
+        obj: Any,
+        *,
+        description: str = "",
+        aliases: Sequence[str] = (),
+        requires: Sequence[str] = (),
     ) -> None: ...
 
 

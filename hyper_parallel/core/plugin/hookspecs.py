@@ -42,7 +42,10 @@ def hyper_parallel_register_optimizers(register: RegisterFn) -> None:
     is called, so a misspelt keyword is reported with a suggestion instead of
     being dropped. A class attribute ``matrix_only = True`` tells
     :func:`~hyper_parallel.core.optimizer.get_hyper_optimizer` that params with
-    fewer than two dims belong to another optimizer (AdamW).
+    fewer than two dims belong to another optimizer (AdamW). ``requires=``
+    names what it needs of the loop that steps it (``"closure"``,
+    ``"sparse_grads"``, ``"matrices_only"``); ``hyper-parallel train`` refuses
+    an optimizer with any, and ``hyper-parallel plugins`` shows them.
     """
 
 
