@@ -1,10 +1,12 @@
 """The documentation site states the code's contract and its examples run.
 
 * every hook's signature, rendered from ``hookspecs`` itself, is in the plugin guide;
-* every built-in the registry holds is documented on the built-ins page;
+* every built-in the registry holds is documented on the built-ins page, and every
+  built-in sharding backend is listed wherever the README and the docs list backends;
 * both user guides name the guide's API;
-* every Python block of the example pages compiles, and runs in page order
-  unless it is marked ``<!-- docs-test: compile-only ... -->`` on the line above;
+* every Python block of the example pages compiles, and runs in page order (in a
+  temporary working directory) unless it is marked
+  ``<!-- docs-test: compile-only ... -->`` on the line above;
 * the plugin guide's example package, written out from its titled blocks,
   installs and passes its own tests;
 * ``mkdocs build --strict`` passes (when mkdocs is installed).
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import os
@@ -179,6 +182,49 @@ def test_every_builtin_is_documented() -> None:
     assert not missing, "docs/builtins.md has no heading or table row for: " + ", ".join(missing)
 
 
+#: The pages that list the sharding backends, relative to the repository root.
+BACKEND_PAGES = ("README.md", "docs/quickstart.md", "docs/distributed.md")
+
+
+def _builtin_sharding_backends() -> list[str]:
+    """The sharding backends registered by this project's own entry points."""
+    own = {
+        ep.name
+        for ep in importlib.metadata.distribution(PROJECT).entry_points
+        if ep.group == "hyper_parallel"
+    }
+    names = sorted(
+        e.name
+        for e in get_registry().entries()
+        if e.kind is PluginKind.SHARDING_BACKEND and _is_builtin(e.distribution) and e.plugin in own
+    )
+    assert names, f"the registry holds no sharding backend from {PROJECT}; is it installed?"
+    return names
+
+
+def _listed_names(text: str) -> set[str]:
+    """Names in backticks, and names that start a line of ``hyper-parallel plugins`` output."""
+    return set(re.findall(r"`([\w.-]+)`", text)) | set(re.findall(r"^ {2}([\w-]+) {2}", text, re.M))
+
+
+def test_listed_names_reads_prose_and_plugin_tables() -> None:
+    text = (
+        "backends `local` (no sharding) and\n```text\n  fsdp   DTensor params  [fsdp_backend]\n```"
+    )
+    assert {"local", "fsdp"} <= _listed_names(text)
+    assert "DTensor" not in _listed_names(text)
+
+
+@pytest.mark.parametrize("page", BACKEND_PAGES)
+def test_every_builtin_sharding_backend_is_listed(page: str) -> None:
+    text = (ROOT / page).read_text(encoding="utf-8")
+    missing = [name for name in _builtin_sharding_backends() if name not in _listed_names(text)]
+    assert not missing, (
+        f"{page} lists sharding backends but not the built-in one(s) {missing}; "
+        "name each one there with a few words on what it takes"
+    )
+
+
 # -- the user guides ----------------------------------------------------------
 
 
@@ -240,7 +286,8 @@ def test_main_pages_have_running_examples(page: str) -> None:
     "page",
     [p for p in EXAMPLE_PAGES if p != "plugins.md" and any(map(_runnable, _python_blocks(p)))],
 )
-def test_page_examples_run(page: str) -> None:
+def test_page_examples_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a block that writes by a relative path writes here
     _run(_python_blocks(page), {"__name__": f"docs_{page}"})
 
 
@@ -267,6 +314,7 @@ def example_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_plugin_guide_examples_and_example_package(
     example_package: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.chdir(example_package)  # a block that writes by a relative path writes here
     blocks = _python_blocks("plugins.md")
     modules = {Path(b.title).stem for b in blocks if b.title and "/tests/" not in b.title}
     try:

@@ -12,7 +12,6 @@ import importlib.metadata
 import importlib.util
 import json
 import re
-import shutil
 import subprocess
 import sys
 import warnings
@@ -55,9 +54,10 @@ def quickstart() -> Iterator[ModuleType]:
         yield module
 
 
-def test_quickstart_runs_and_the_loss_falls() -> None:
+def test_quickstart_runs_and_the_loss_falls(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(QUICKSTART), "--steps", "16", "--log-every", "3"],
+        cwd=tmp_path,  # anything the script writes by a relative path stays out of the checkout
         capture_output=True,
         text=True,
         timeout=300,
@@ -108,15 +108,9 @@ def test_quickstart_rejects_a_bad_step_count(
 
 @pytest.fixture(scope="module")
 def installed_example_plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """pip-install examples/custom_plugin (copied, so no build files land in the repo)."""
-    source = tmp_path_factory.mktemp("source") / "custom_plugin"
-    shutil.copytree(
-        PLUGIN_SOURCE,
-        source,
-        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".pytest_cache"),
-    )
+    """pip-install examples/custom_plugin (built from a copy: no build files land in the repo)."""
     target = tmp_path_factory.mktemp("site")
-    pip_install_into(source, target, cwd=tmp_path_factory.mktemp("build"))
+    pip_install_into(PLUGIN_SOURCE, target, cwd=tmp_path_factory.mktemp("build"))
     return target
 
 

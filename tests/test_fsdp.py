@@ -263,7 +263,9 @@ def test_hsdp_on_a_2x2_mesh_matches_one_process_and_scales_grads() -> None:
 
 def test_guide_blocks_are_the_guides_own() -> None:
     if not GUIDE.exists():
-        pytest.skip("shared/reference/optimizer-guide.md is not beside the checkout")
+        pytest.skip(
+            "the HyperParallel optimizer user guide these blocks quote is not available next to this checkout"
+        )
     text = GUIDE.read_text(encoding="utf-8")
     assert "```python\n" + SHARDED_OPTIMIZER_BLOCK + "```" in text
     assert "```python\n" + SCALING_BLOCK + "```" in text

@@ -106,7 +106,9 @@ def _guide_blocks() -> list[str]:
 
 
 @pytest.mark.skipif(
-    not GUIDE.exists(), reason="shared/reference/optimizer-guide.md is not beside the checkout"
+    not GUIDE.exists(),
+    reason="the HyperParallel optimizer user guide these blocks quote is not available "
+    "next to this checkout",
 )
 def test_blocks_are_the_guides_own() -> None:
     blocks = _guide_blocks()
