@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from hyper_parallel import __version__
-from hyper_parallel.core.plugin import PluginKind, get_registry
+from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, get_registry
 
 if TYPE_CHECKING:
     from hyper_parallel.train.config import ConfigField
@@ -35,6 +35,11 @@ def _plugins_report() -> dict[str, Any]:
                 "description": e.description,
                 "plugin": e.plugin,
                 "distribution": e.distribution,
+                **(
+                    {"requires": list(e.requires), "train": not e.requires}
+                    if isinstance(e, OptimizerEntry)
+                    else {}
+                ),
             }
             for e in registry.entries()
         ],
@@ -60,6 +65,8 @@ def _print_table(report: dict[str, Any]) -> None:
         width = max((len(r["name"]) for r in rows), default=0)
         for r in rows:
             aliases = f" (aliases: {', '.join(r['aliases'])})" if r["aliases"] else ""
+            if r.get("train") is False:
+                aliases += f" (not for train: needs {', '.join(r['requires'])})"
             source = r["distribution"] or "registered in-process"
             print(
                 f"  {r['name']:<{width}}  {r['description']}{aliases}  [{r['plugin']} from {source}]"
@@ -82,7 +89,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -93,7 +103,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from hyper_parallel.train.config import config_fields
 
     given = {f.name: getattr(args, f.name) for f in config_fields() if f.option.on_command_line}
-    summary = train(TrainConfig(**given))
+    try:
+        summary = train(TrainConfig(**given))
+    except KeyboardInterrupt:  # before the steps began, or while the last files were written
+        print("hyper-parallel train: interrupted", file=sys.stderr)
+        return 130
     interrupted = any(run["interrupted"] for run in summary["runs"].values())
     return 130 if interrupted else 0
 
@@ -142,7 +156,7 @@ def _add_checkpoint_parser(sub: Any) -> None:
 
 def _add_train_parser(sub: Any) -> None:
     """``train``: one flag per :class:`~hyper_parallel.train.TrainConfig` field."""
-    from hyper_parallel.train.config import config_fields
+    from hyper_parallel.train.config import config_fields, optimizers_train_cannot_use
 
     parser = sub.add_parser(
         "train",
@@ -150,9 +164,13 @@ def _add_train_parser(sub: Any) -> None:
         description="Train a small GPT-style decoder on a built-in synthetic language (generated "
         "at run time) or on --data, and write metrics.jsonl, loss_curves.png and summary.json.",
     )
+    refused = ", ".join(f"{name} ({why})" for name, why in optimizers_train_cannot_use().items())
     for f in config_fields():
         if f.option.on_command_line:
-            parser.add_argument(f.flag, dest=f.name, help=f.option.help, **_parsing(f))
+            text = f.option.help
+            if f.name in ("optimizer", "compare") and refused:
+                text += f"; train cannot use {refused}"
+            parser.add_argument(f.flag, dest=f.name, help=text, **_parsing(f))
     parser.set_defaults(handler=_cmd_train)
 
 

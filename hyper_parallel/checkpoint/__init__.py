@@ -43,7 +43,7 @@ import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -405,6 +405,7 @@ class Verified:
     step: int | None = None
     files: int = 0
     bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # what ``save(extra=...)`` kept
 
     @property
     def ok(self) -> bool:
@@ -430,7 +431,8 @@ def verify(path: str | os.PathLike[str]) -> Verified:
     except CheckpointError as exc:
         return Verified(ckpt, error=str(exc))
     files = meta.get("files", {}).values()
-    return Verified(ckpt, None, int(meta["step"]), len(files), sum(f["bytes"] for f in files))
+    total = sum(f["bytes"] for f in files)
+    return Verified(ckpt, None, int(meta["step"]), len(files), total, dict(meta["extra"]))
 
 
 def _looks_like_checkpoint(path: Path) -> bool:
@@ -537,6 +539,14 @@ class CheckpointManager:
     def wait(self) -> None:
         """Wait for the save in flight (see :func:`wait`)."""
         saver.wait()
+
+    def newest_intact(self) -> Verified | None:
+        """The checkpoint :meth:`load_latest` would load, checked in this process alone; or ``None``."""
+        for ckpt in _candidates(self.root):
+            found = verify(ckpt)
+            if found.ok:
+                return found
+        return None
 
     def latest(self) -> Path | None:
         """The checkpoint ``latest`` names (else the newest ``step_*``), or ``None``; unverified."""

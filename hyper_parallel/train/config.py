@@ -17,9 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from hyper_parallel.core.errors import HyperParallelError, HyperParallelValueError
-from hyper_parallel.core.plugin import PluginKind, get_registry
+from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, get_registry
 
-__all__ = ["MUON_ADAMW", "ConfigField", "Option", "TrainConfig", "TrainError", "config_fields"]
+__all__ = [
+    "MUON_ADAMW",
+    "ConfigField",
+    "Option",
+    "TrainConfig",
+    "TrainError",
+    "config_fields",
+    "optimizers_train_cannot_use",
+]
 
 #: The default optimizer: Muon for hidden matrices, AdamW for the rest.
 MUON_ADAMW = "muon+adamw"
@@ -133,6 +141,9 @@ class TrainConfig:
     out: Path = field(
         default=Path("runs/train"), metadata=_option("output directory (default: %(default)s)")
     )
+    overwrite: bool = field(
+        default=False, metadata=_option("replace the run already in --out (default: refuse)")
+    )
     progress: bool = field(default=True, metadata=_option("no progress bar"))
     sharding: str | None = field(
         default=None,
@@ -207,9 +218,15 @@ class TrainConfig:
         for flag, choice in (("--optimizer", self.optimizer), ("--compare", self.compare)):
             if choice is not None and choice != MUON_ADAMW:
                 try:
-                    registry.get(PluginKind.OPTIMIZER, choice)
+                    entry = registry.get(PluginKind.OPTIMIZER, choice)
                 except HyperParallelError as exc:
                     raise TrainError(f"{flag}: {exc}") from None
+                if reason := _unusable(entry):
+                    raise TrainError(
+                        f"{flag} {choice}: train cannot use it: {reason}, and train steps "
+                        "without a closure on dense gradients of every param; choose another "
+                        "(hyper-parallel plugins marks which train can use)"
+                    )
         for flag, kind, name in (
             ("--partitioner", PluginKind.PARTITIONER, self.partitioner),
             ("--scheduler", PluginKind.LR_SCHEDULER, self.scheduler),
@@ -218,6 +235,20 @@ class TrainConfig:
                 registry.get(kind, name)
             except HyperParallelError as exc:
                 raise TrainError(f"{flag}: {exc}") from None
+
+
+def _unusable(entry: Any) -> str | None:
+    """Why ``train``'s loop cannot step a registered optimizer, or ``None``."""
+    return entry.unusable_in_plain_loop() if isinstance(entry, OptimizerEntry) else None
+
+
+def optimizers_train_cannot_use() -> dict[str, str]:
+    """Every registered optimizer ``train`` refuses, with the reason."""
+    return {
+        e.name: reason
+        for e in get_registry().entries()
+        if e.kind is PluginKind.OPTIMIZER and (reason := _unusable(e))
+    }
 
 
 def _flag(name: str) -> str:

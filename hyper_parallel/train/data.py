@@ -16,6 +16,7 @@ data, or per byte / per character for a user's file.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -148,44 +149,70 @@ def synthetic_corpus(
 
 
 def load_text_file(
-    path: str | Path, *, tokenizer: str = "char", val_fraction: float = 0.1
+    path: str | Path, *, tokenizer: str = "char", seq_len: int = 128, val_fraction: float = 0.1
 ) -> TokenizedText:
-    """Tokenize a UTF-8 text file; the last ``val_fraction`` of it is the validation split.
+    """Tokenize a text file; the last ``val_fraction`` of it is the validation split.
+
+    ``"char"`` reads UTF-8 text, one token per character; ``"byte"`` reads any
+    file, one token per byte.
 
     Raises:
-        DataError: the file is missing, not a file, empty, too short to
-            split, or binary (not UTF-8 text).
+        DataError: the file is missing, not a file, empty, not UTF-8 text
+            (``"char"``), or too short for two splits of ``seq_len + 2`` tokens.
     """
     p = Path(path)
+    if tokenizer not in ("char", "byte"):
+        raise DataError(f"--tokenizer {tokenizer!r}: use 'char' or 'byte'")
     if not p.exists():
         raise DataError(f"--data {path}: no such file")
     if not p.is_file():
         raise DataError(f"--data {path}: not a regular file")
     raw = p.read_bytes()
-    if not raw.strip():
+    if not raw:
         raise DataError(f"--data {path}: the file is empty")
-    if b"\x00" in raw:
-        raise DataError(f"--data {path}: looks binary (contains NUL bytes); give a UTF-8 text file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(
-            f"--data {path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
-        ) from exc
     if tokenizer == "byte":
-        ids = torch.tensor(list(raw), dtype=torch.long)
+        ids = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
         alphabet = None
-    elif tokenizer == "char":
+    else:
+        text = _utf8_text(raw, path)
         alphabet = "".join(sorted(set(text)))
         ids = _encode(text, alphabet)
-    else:
-        raise DataError(f"--tokenizer {tokenizer!r}: use 'char' or 'byte'")
+    _check_length(len(ids), path, tokenizer, seq_len, val_fraction)
     split = int(len(ids) * (1 - val_fraction))
-    if split < 64 or len(ids) - split < 16:
-        raise DataError(
-            f"--data {path}: too short to train on ({len(ids)} tokens; need at least 100)"
-        )
     return TokenizedText(train=ids[:split], val=ids[split:], alphabet=alphabet, source=str(p))
+
+
+def _utf8_text(raw: bytes, path: str | Path) -> str:
+    hint = "; --tokenizer byte reads any file"
+    if not raw.strip():
+        raise DataError(f"--data {path}: the file holds only whitespace")
+    if b"\x00" in raw:
+        raise DataError(f"--data {path}: looks binary (contains NUL bytes){hint}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"--data {path}: not UTF-8 text ({exc.reason} at byte {exc.start}){hint}"
+        ) from exc
+
+
+def min_tokens(seq_len: int, val_fraction: float = 0.1) -> int:
+    """The fewest tokens a file needs: each split holds at least one window of ``seq_len + 2``."""
+    window = seq_len + 2
+    return max(math.ceil(window / val_fraction), math.ceil(window / (1 - val_fraction))) + 1
+
+
+def _check_length(
+    count: int, path: str | Path, tokenizer: str, seq_len: int, val_fraction: float
+) -> None:
+    unit = "bytes" if tokenizer == "byte" else "characters"
+    need = min_tokens(seq_len, val_fraction)
+    if count < need:
+        raise DataError(
+            f"--data {path}: the file has {count:,} {unit}; --seq-len {seq_len} needs at least "
+            f"{need:,} (a tenth is held out for validation, and each split needs --seq-len + 2); "
+            "give a longer file or a smaller --seq-len"
+        )
 
 
 def batches(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import TokenizedText, load_text_file, synthetic_corpus
 from hyper_parallel.train.placement import Placement, place
+from hyper_parallel.train.preflight import RUN_OUTPUTS, check_memory, check_paths, check_resume
 from hyper_parallel.train.run import Metrics, RunResult, run_one
 
 __all__ = ["MUON_ADAMW", "RunResult", "TrainConfig", "TrainError", "steps_to_reach", "train"]
@@ -20,7 +22,7 @@ def load_data(config: TrainConfig) -> TokenizedText:
     """The built-in corpus, or ``--data``'s file."""
     if config.data is None:
         return synthetic_corpus(seed=config.seed)
-    return load_text_file(config.data, tokenizer=config.tokenizer)
+    return load_text_file(config.data, tokenizer=config.tokenizer, seq_len=config.seq_len)
 
 
 def steps_to_reach(val_losses: list[tuple[int, float]], target: float) -> float | None:
@@ -41,7 +43,9 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
         r.name: {
             "steps": r.steps_done,
             "final_train_loss": r.train_losses[-1][1] if r.train_losses else None,
+            "final_train_step": r.train_losses[-1][0] if r.train_losses else None,
             "final_val_loss": r.final_val_loss,
+            "final_val_step": r.val_losses[-1][0] if r.val_losses else None,
             "best_val_loss": min((v for _, v in r.val_losses), default=None),
             "seconds": round(r.seconds, 2),
             "tokens_per_s": round(r.tokens_per_s),
@@ -75,9 +79,11 @@ def _print_summary(summary: dict[str, Any], out: Path, echo: Callable[[str], Non
     for name, run in summary["runs"].items():
         flag = "  (interrupted)" if run["interrupted"] else ""
         val = run["final_val_loss"]
+        # an interrupted run's last validation may be older than its last step: say so
+        at = f" (at step {run['final_val_step']})" if run["final_val_step"] != run["steps"] else ""
         echo(
             f"{name:>14}: {run['steps']} steps in {run['seconds']:.0f} s, {run['tokens_per_s']:,} tok/s, "
-            f"train loss {run['final_train_loss']:.4f}, val loss {val:.4f}{flag}"
+            f"train loss {run['final_train_loss']:.4f}, val loss {val:.4f}{at}{flag}"
             if run["final_train_loss"] is not None and val is not None
             else f"{name:>14}: {run['steps']} steps{flag}"
         )
@@ -93,7 +99,7 @@ def _print_summary(summary: dict[str, Any], out: Path, echo: Callable[[str], Non
                 f"{cmp['target_val_loss']:.4f} at step {cmp['steps_to_reach']:.0f} of {cmp['baseline_steps']} "
                 f"(step ratio {cmp['step_ratio']:.2f})"
             )
-    echo(f"wrote {out / 'metrics.jsonl'}, {out / 'loss_curves.png'}, {out / 'summary.json'}")
+    echo(f"wrote {', '.join(str(out / n) for n in RUN_OUTPUTS if (out / n).exists())}")
 
 
 def train(config: TrainConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
@@ -108,7 +114,10 @@ def train(config: TrainConfig, *, echo: Callable[[str], None] = print) -> dict[s
             was written so far is kept (``summary["runs"][...]["interrupted"]``).
     """
     config.validate()
+    check_paths(config)
     data = load_data(config)
+    check_resume(config, data.vocab_size)
+    check_memory(config, data.vocab_size)
     group_before = _process_group_initialized()
     try:
         return _train_placed(config, data, place(config), echo)
@@ -131,11 +140,12 @@ def _train_placed(
     config: TrainConfig, data: TokenizedText, placement: Placement, echo: Callable[[str], None]
 ) -> dict[str, Any]:
     """:func:`train` once the data is loaded and this process's place is set up."""
-    from hyper_parallel.train.plot import plot_losses
-
     main = placement.is_main
     if main:
         config.out.mkdir(parents=True, exist_ok=True)
+        if config.overwrite and not config.resume:  # the run being replaced leaves nothing behind
+            for name in RUN_OUTPUTS:
+                (config.out / name).unlink(missing_ok=True)
     progress = _progress_factory() if config.progress and main else None
     metrics = Metrics(config.out / "metrics.jsonl" if main else None, append=config.resume)
     results: list[RunResult] = []
@@ -153,11 +163,34 @@ def _train_placed(
             "dim_names": list(placement.mesh.mesh_dim_names or ()),
         }
     if main:
-        plot_losses(results, config.out / "loss_curves.png", title=f"{data.source}")
-        summary_path = config.out / "summary.json"
-        summary_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        _write_outputs(results, summary, config.out, data.source)
         _print_summary(summary, config.out, echo)
     return summary
+
+
+def _write_outputs(
+    results: list[RunResult], summary: dict[str, Any], out: Path, title: str
+) -> None:
+    """The plot (when there is a point to draw) and the summary, each replaced whole or not at all."""
+    from hyper_parallel.train.plot import plot_losses
+
+    plot = out / "loss_curves.png"
+    if any(r.train_losses or r.val_losses for r in results):
+        _replace_atomically(plot, lambda tmp: plot_losses(results, tmp, title=title))
+    else:  # interrupted before anything was measured: no plot, rather than an empty one
+        plot.unlink(missing_ok=True)
+    text = json.dumps(summary, indent=2) + "\n"
+    _replace_atomically(out / "summary.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` a sibling temporary file, then rename it over ``path``: Ctrl-C leaves either."""
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _progress_factory() -> Callable[..., Any]:

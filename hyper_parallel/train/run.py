@@ -25,6 +25,7 @@ from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import TokenizedText, batches
 from hyper_parallel.train.model import GPTConfig, TinyGPT
 from hyper_parallel.train.placement import Placement
+from hyper_parallel.train.preflight import resume_record, run_folder
 
 if TYPE_CHECKING:
     from hyper_parallel.checkpoint import CheckpointManager
@@ -84,23 +85,49 @@ class Metrics:
     """Appends one JSON object per line and flushes, so an interrupted run keeps its log.
 
     With no path (ranks other than 0 of a sharded run) it writes nothing.
+    Appending (a resumed run), a row the log already holds (the same run,
+    step and kind: the resume point's validation, or steps that ran after the
+    last checkpoint) is not written again.
     """
 
     def __init__(self, path: Path | None, *, append: bool = False) -> None:
         self._file: TextIO | None = None
+        self._seen: set[tuple[Any, ...]] = set()
         if path is not None:
-            self._file = (
-                path.open("a", encoding="utf-8") if append else path.open("w", encoding="utf-8")
-            )
+            if append and path.is_file():
+                lines = _complete_lines(path)
+                path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+                self._seen = {_row_key(json.loads(line)) for line in lines}
+            self._file = path.open("a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        key = _row_key(record)
+        if self._file is None or key in self._seen:
+            return
+        self._seen.add(key)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def _row_key(record: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes a metrics row the same row: its run, its step and which values it holds."""
+    return (record.get("run"), record.get("step"), *sorted(set(record) - {"run", "step"}))
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The log's whole lines; a line cut short by a killed process is dropped."""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            json.loads(line)
+        except ValueError:
+            continue
+        lines.append(line)
+    return lines
 
 
 def _evaluate(model: TinyGPT, val_batches: list[torch.Tensor]) -> float:
@@ -253,7 +280,11 @@ class _Run:
         every = config.checkpoint_every
         if self.checkpoints is not None and (last or (every and step % every == 0)):
             self.checkpoints.save(
-                step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+                step,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                extra=resume_record(config, self.name, self.model.config.vocab_size),
             )
 
     def _log(self, step: int, loss: float, lrs: dict[str, float]) -> None:
@@ -333,7 +364,7 @@ def _checkpoints(config: TrainConfig, name: str) -> CheckpointManager | None:
     from hyper_parallel.checkpoint import CheckpointManager
 
     return CheckpointManager(
-        config.checkpoint_dir / name.replace("+", "_"),
+        config.checkpoint_dir / run_folder(name),
         keep_last=2,
         async_save=config.checkpoint_async,
     )
