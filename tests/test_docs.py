@@ -154,8 +154,15 @@ def test_every_hook_signature_is_in_the_plugin_guide(hook: Any) -> None:
 
 def test_plugin_guide_shows_the_register_callback() -> None:
     text = (DOCS / "plugins.md").read_text(encoding="utf-8")
-    assert 'register(name, obj, *, description="", aliases=())' in text
-    for word in ("HYPER_PARALLEL_STRICT_PLUGINS", "HYPER_PARALLEL_DISABLE_PLUGINS", "matrix_only"):
+    assert 'register(name, obj, *, description="", aliases=(), requires=())' in text
+    import inspect
+
+    from hyper_parallel.core.plugin import OPTIMIZER_REQUIREMENTS, RegisterFn
+
+    keywords = [p for p in inspect.signature(RegisterFn.__call__).parameters if p != "self"]
+    assert keywords == ["name", "obj", "description", "aliases", "requires"]  # as the page shows
+    words = ("HYPER_PARALLEL_STRICT_PLUGINS", "HYPER_PARALLEL_DISABLE_PLUGINS", "matrix_only")
+    for word in (*words, *(f'"{r}"' for r in OPTIMIZER_REQUIREMENTS)):
         assert word in text
 
 

@@ -456,3 +456,43 @@ def test_each_kind_has_its_own_frozen_record_type() -> None:
         with pytest.raises(dataclasses.FrozenInstanceError):
             entries[0].name = "changed"  # type: ignore[misc]
     assert len(set(ENTRY_TYPES.values())) == len(ENTRY_TYPES)
+
+
+def test_an_optimizer_declares_what_its_loop_must_give() -> None:
+    @hookimpl
+    def hyper_parallel_register_optimizers(register: Any) -> None:
+        register("closure_sgd", torch.optim.SGD, requires=["closure"])
+
+    name = register_plugin(
+        _module("needs", hyper_parallel_register_optimizers=hyper_parallel_register_optimizers)
+    )
+    try:
+        entry = get_registry().get("optimizer", "closure_sgd")
+        assert entry.requires == ("closure",)
+        assert (
+            entry.unusable_in_plain_loop() == "its step needs a closure that re-evaluates the loss"
+        )
+        assert get_registry().get("optimizer", "adamw").unusable_in_plain_loop() is None
+    finally:
+        unregister_plugin(name)
+
+    @hookimpl
+    def hyper_parallel_register_lr_schedulers(register: Any) -> None:
+        register("flat", lambda step, *, total_steps, warmup_steps: 1.0, requires=["closure"])
+
+    @hookimpl
+    def hyper_parallel_register_optimizers_typo(register: Any) -> None:
+        register("odd_sgd", torch.optim.SGD, requires=["closures"])
+
+    for plugin, hooks, message in (
+        ("bad", {"hyper_parallel_register_lr_schedulers": hyper_parallel_register_lr_schedulers},
+         "requires= is for optimizers"),
+        ("typo", {"hyper_parallel_register_optimizers": hyper_parallel_register_optimizers_typo},
+         r"requires \['closures'\], which are not known"),
+    ):  # fmt: skip
+        with pytest.warns(RuntimeWarning, match=message):
+            register_plugin(_module(plugin, **hooks))
+        try:
+            assert "odd_sgd" not in get_registry().names("optimizer")
+        finally:
+            unregister_plugin(plugin)
