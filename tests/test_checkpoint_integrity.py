@@ -330,3 +330,24 @@ def test_fsdp_a_corrupt_file_of_rank_1_fails_both_ranks(tmp_path: Path) -> None:
     run_distributed(_fsdp_corrupt_rank_1_file, world_size=2, args=(str(tmp_path),))
     assert (tmp_path / "raised0").exists() and (tmp_path / "raised1").exists()
     assert max(float((tmp_path / f"raised{r}").read_text()) for r in (0, 1)) < 60
+
+
+def test_a_checkpoint_saved_before_checksums_loads_with_a_warning(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    ckpt = Path(shutil.copytree(saved, tmp_path / "old"))
+    meta = json.loads((ckpt / MANIFEST).read_text())
+    for key in ("files", "checksum_algorithm", "manifest_xxh3_64"):
+        del meta[key]
+    (ckpt / MANIFEST).write_text(json.dumps({**meta, "version": 1}))  # as format 1 wrote it
+    built = _build()
+    with pytest.warns(UserWarning, match="saved without checksums.*loaded unverified"):
+        assert checkpoint.load(ckpt, model=built[0], optimizer=built[1], scheduler=built[2]) == 3
+    want = _build()
+    _train(*want, _batch(), 3)
+    _assert_same(built, want)
+    with pytest.warns(UserWarning):
+        assert main(["checkpoint", "verify", str(ckpt)]) == 0
+    assert capsys.readouterr().out.startswith("ok?")

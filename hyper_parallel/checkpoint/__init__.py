@@ -406,6 +406,7 @@ class Verified:
     files: int = 0
     bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # what ``save(extra=...)`` kept
+    checksums: bool = True  # False: saved before checksums (format 1), nothing to check against
 
     @property
     def ok(self) -> bool:
@@ -413,9 +414,11 @@ class Verified:
 
     def line(self) -> str:
         """One line for a terminal: ``ok`` or ``CORRUPT``, the path, and what was found."""
-        if self.ok:
-            return f"ok       {self.path}  (step {self.step}, {self.files} files, {self.bytes:,} bytes)"
-        return f"CORRUPT  {self.path}  {self.error}"
+        if not self.ok:
+            return f"CORRUPT  {self.path}  {self.error}"
+        if not self.checksums:
+            return f"ok?      {self.path}  (step {self.step}; saved without checksums, unverified)"
+        return f"ok       {self.path}  (step {self.step}, {self.files} files, {self.bytes:,} bytes)"
 
 
 def verify(path: str | os.PathLike[str]) -> Verified:
@@ -432,7 +435,9 @@ def verify(path: str | os.PathLike[str]) -> Verified:
         return Verified(ckpt, error=str(exc))
     files = meta.get("files", {}).values()
     total = sum(f["bytes"] for f in files)
-    return Verified(ckpt, None, int(meta["step"]), len(files), total, dict(meta["extra"]))
+    return Verified(
+        ckpt, None, int(meta["step"]), len(files), total, dict(meta["extra"]), "files" in meta
+    )
 
 
 def _looks_like_checkpoint(path: Path) -> bool:
