@@ -97,7 +97,6 @@ __all__ = [
     "wait",
 ]
 
-META_FILE = MANIFEST
 LATEST_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
