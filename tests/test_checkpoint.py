@@ -75,8 +75,7 @@ def test_resume_is_bitwise_equal(tmp_path: Path) -> None:
     step = manager.load_latest(model=resumed[0], optimizer=resumed[1], scheduler=resumed[2])
     assert step == 5
     _assert_same(first, resumed)
-    meta = json.loads((manager.path_for(5) / checkpoint.META_FILE).read_text())
-    assert meta["extra"] == {"tok": 123}
+    assert checkpoint.verify(manager.path_for(5)).extra == {"tok": 123}
     _train(*resumed, batch, 5)
     _assert_same(straight, resumed)
 
