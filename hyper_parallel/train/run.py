@@ -95,9 +95,9 @@ class Metrics:
         self._seen: set[tuple[Any, ...]] = set()
         if path is not None:
             if append and path.is_file():
-                lines = _complete_lines(path)
-                path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-                self._seen = {_row_key(json.loads(line)) for line in lines}
+                rows = _complete_rows(path)
+                path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+                self._seen = {_row_key(row) for row in rows}
             self._file = path.open("a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -118,16 +118,15 @@ def _row_key(record: dict[str, Any]) -> tuple[Any, ...]:
     return (record.get("run"), record.get("step"), *sorted(set(record) - {"run", "step"}))
 
 
-def _complete_lines(path: Path) -> list[str]:
-    """The log's whole lines; a line cut short by a killed process is dropped."""
-    lines = []
+def _complete_rows(path: Path) -> list[dict[str, Any]]:
+    """The log's rows; a line cut short by a killed process is dropped."""
+    rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            json.loads(line)
+            rows.append(json.loads(line))
         except ValueError:
             continue
-        lines.append(line)
-    return lines
+    return rows
 
 
 def _evaluate(model: TinyGPT, val_batches: list[torch.Tensor]) -> float:
