@@ -50,8 +50,11 @@ from hyper_parallel.core.distributed.cost import (
     DeviceProfile,
     LinkCost,
     Trip,
+    choose_team_size,
     device_profile,
     exchange_trips,
+    team_link,
+    team_seconds,
     transport_bytes,
     transport_seconds,
 )
@@ -141,64 +144,119 @@ def _shard_rows(rows: int, shards: int) -> list[int]:
     return [max(0, min(chunk, rows - s * chunk)) for s in range(shards)]
 
 
-def busiest_bytes(trip: Trip, transport: str, element_size: int = 4) -> int:
-    """Sent plus received by the rank that moves the most (what payload counting measures)."""
-    return max(sum(pair) for pair in transport_bytes(trip, element_size, transport))
+def rank_bytes(trip: Trip, transport: str, element_size: int = 4) -> torch.Tensor:
+    """Per rank, sent plus received over one trip (what payload counting measures)."""
+    return torch.tensor([sum(pair) for pair in transport_bytes(trip, element_size, transport)],
+                        dtype=torch.float64)  # fmt: skip
+
+
+#: The Muon group the model plans with: its defaults (Keller's coefficients, 5 steps).
+MUON_GROUP = {"ns_coefficients": "keller", "ns_steps": NS_STEPS, "matrix_view": "auto",
+              "eps": 1e-7, "matched_adamw_rms": None, "adjust_lr_fn": None}  # fmt: skip
 
 
 @dataclass
 class Plan:
-    """The owner exchange of one step: each bucket's two trips, and Newton-Schulz FLOPs per rank."""
+    """The exchange of one step: each bucket's trips, per-rank Newton-Schulz FLOPs, team work.
+
+    With teams (``team_size > 1``) each matrix is shared by a team of
+    consecutive ranks; a member's Newton-Schulz FLOPs and the team's own
+    collectives are its share.
+    """
 
     trips: list[tuple[Trip, Trip]]
-    flops: torch.Tensor  # per rank
-    #: per bucket, the busiest owner's FLOPs: without overlap every rank waits for it
-    bucket_flops: list[float]
+    flops: torch.Tensor  # per rank, over the step
+    #: per bucket, the busiest member's seconds: without overlap every rank waits for it
+    bucket_seconds: list[float]
+    team_bytes: torch.Tensor  # per rank: the teams' all-reduces and all-gathers
+    team_size: int
 
 
 def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype,
-                  device: str = "cuda") -> Plan:  # fmt: skip
-    """The ``fsdp`` backend's plan for ``params`` row-sharded over ``shards`` ranks, replicated."""
+                  profile: DeviceProfile, device: str = "cuda",
+                  team_size: int | None = None) -> Plan:  # fmt: skip
+    """The ``fsdp`` backend's plan for ``params`` row-sharded over ``shards`` ranks, replicated.
+
+    ``team_size``: ranks per matrix; ``None`` chooses as ``team_size="auto"``
+    does with ``profile``.
+    """
     from hyper_parallel.core.distributed.toolkit import assign_owners, exchange_rounds
     from hyper_parallel_builtins.fsdp_backend import bucket_bytes
+    from hyper_parallel_builtins.muon import MuonTeam
     from hyper_parallel_builtins.newton_schulz import newton_schulz_flops, resolve_ns_method
 
-    shapes = [shape for shape, n in params.matrices for _ in range(n)]
+    team = MuonTeam(MUON_GROUP, ns_dtype)
+    shapes = [torch.Size(shape) for shape, n in params.matrices for _ in range(n)]
     flops = [
         newton_schulz_flops(r, c, NS_STEPS, resolve_ns_method("auto", r, c, torch.device(device)))
         for r, c in shapes
     ]
-    owners = assign_owners(flops, ranks)
-    nbytes = [r * c * 4 for r, c in shapes]
-    per_rank = torch.zeros(ranks, dtype=torch.float64)
-    for f, o in zip(flops, owners, strict=True):
-        per_rank[o] += f
-    rounds = exchange_rounds(nbytes, [ns_dtype] * len(shapes), owners, ranks,
-                             bucket_bytes(nbytes, owners, ranks))  # fmt: skip
-    trips = [_bucket_trips([(i, shapes[i], owners[i]) for i in r], ranks, shards) for r in rounds]
-    bucket_flops = []
+    size = team_size or choose_team_size(shapes, flops, team, ranks, profile, RANKS_PER_NODE)
+    link = team_link(profile, size, RANKS_PER_NODE)
+    if size > 1:
+        flops = [team.cost(s, size) for s in shapes]
+    owners = assign_owners(flops, ranks // size)
+    element_size = torch.empty(0, dtype=ns_dtype).element_size()
+    seconds, moved = [], []
+    for shape, f in zip(shapes, flops, strict=True):
+        collectives = team.collectives(shape, size) if size > 1 else []
+        rate = profile.matmul_rate(str(ns_dtype).removeprefix("torch."), min(shape))
+        seconds.append(team_seconds(f, collectives, size, element_size, rate, link))
+        moved.append(sum(_collective_bytes(kind, n, size) for kind, n in collectives)
+                     * element_size)  # fmt: skip
+    per_rank, team_bytes = torch.zeros(ranks, dtype=torch.float64), torch.zeros(ranks)
+    for f, b, o in zip(flops, moved, owners, strict=True):
+        per_rank[o * size : (o + 1) * size] += f
+        team_bytes[o * size : (o + 1) * size] += b
+    nbytes = [s.numel() * 4 // size for s in shapes]
+    rounds = exchange_rounds(nbytes, [ns_dtype] * len(shapes), owners, ranks // size,
+                             bucket_bytes(nbytes, owners, ranks // size))  # fmt: skip
+    trips, bucket_seconds = [], []
     for r in rounds:
+        items = [(i, shapes[i], owners[i], team.split_dim(shapes[i])) for i in r]
+        trips.append(_bucket_trips(items, ranks, shards, size))
         load: dict[int, float] = {}
         for i in r:
-            load[owners[i]] = load.get(owners[i], 0.0) + flops[i]
-        bucket_flops.append(max(load.values(), default=0.0))
-    return Plan(trips, per_rank, bucket_flops)
+            load[owners[i]] = load.get(owners[i], 0.0) + seconds[i]
+        bucket_seconds.append(max(load.values(), default=0.0))
+    return Plan(trips, per_rank, bucket_seconds, team_bytes.double(), size)
 
 
-def _bucket_trips(items: list[tuple[int, tuple[int, int], int]], ranks: int,
-                  shards: int) -> tuple[Trip, Trip]:  # fmt: skip
-    """Pieces to their owners (one holder sends each, the owner where it holds one), parts back."""
+def _collective_bytes(kind: str, elements: int, members: int) -> float:
+    """Elements one rank sends plus receives in a ring all-reduce or all-gather of ``elements``."""
+    steps = (members - 1) * (2 if kind == "all_reduce" else 1)
+    return 2 * steps / members * elements
+
+
+def _bucket_trips(items: list[tuple[int, torch.Size, int, int | None]], ranks: int, shards: int,
+                  size: int) -> tuple[Trip, Trip]:  # fmt: skip
+    """Pieces to the members (one holder sends each, the member where it holds one), parts back.
+
+    ``items``: ``(index, shape, owner or team, split dim)``; member ``k`` of a
+    team takes band ``k`` of the split dim, as the backend cuts it.
+    """
     replicas = ranks // shards
     by_shard = torch.arange(ranks) % shards
-    exchanged = []
-    for index, (rows, cols), owner in items:
-        pieces = torch.tensor([n * cols for n in _shard_rows(rows, shards)], dtype=torch.int64)
-        senders = []
-        for s in torch.nonzero(pieces).flatten().tolist():
-            sender = owner if owner % shards == s else s + shards * (index % replicas)
-            senders.append((sender, int(pieces[s])))
-        exchanged.append((owner, senders, pieces[by_shard]))
-    return exchange_trips(exchanged, ranks)
+    works = []
+    for index, (rows, cols), owner, dim in items:
+        shard_rows = _shard_rows(rows, shards)
+        starts = [sum(shard_rows[:s]) for s in range(shards)]
+        along_rows = size == 1 or dim == 0
+        length = rows if along_rows else cols
+        for k in range(size):
+            member = owner * size + k
+            lo, hi = k * length // size, (k + 1) * length // size
+            if along_rows:
+                pieces = torch.tensor([max(0, min(a + n, hi) - max(a, lo)) * cols
+                                       for a, n in zip(starts, shard_rows, strict=True)])  # fmt: skip
+            else:
+                pieces = torch.tensor([n * (hi - lo) for n in shard_rows])
+            senders = []
+            for s in torch.nonzero(pieces).flatten().tolist():
+                sender = member if member % shards == s else s + shards * (index % replicas)
+                senders.append((sender, int(pieces[s])))
+            works.append((member, senders, pieces[by_shard]))
+    return exchange_trips(works, ranks)
 
 
 # ---------------------------------------------------------------- predictions
@@ -215,30 +273,24 @@ class Prediction:
     exchange_s: float
     ns_s: float
     elementwise_s: float
+    team_size: int
 
 
 def predict(params: Params, ranks: int, shards: int, transport: str, profile: DeviceProfile,
             ns_dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
             plan: Plan | None = None) -> Prediction:  # fmt: skip
     """One step of ``params`` on ``ranks`` (shard groups of ``shards``) by ``transport``."""
-    plan = plan or plan_exchange(params, ranks, shards, ns_dtype, device)
+    plan = plan or plan_exchange(params, ranks, shards, ns_dtype, profile, device)
     exchange = sum(transport_seconds(t, 4, transport, profile) for ts in plan.trips for t in ts)
-    moved = sum(busiest_bytes(t, transport) for ts in plan.trips for t in ts)
+    moved = plan.team_bytes + sum(rank_bytes(t, transport) for ts in plan.trips for t in ts)
     busiest = float(plan.flops.max())
-    rate = profile.matmul_rate(str(ns_dtype).removeprefix("torch."), _short_side(params))
-    ns = sum(plan.bucket_flops) / rate  # each bucket waits for its busiest owner
+    ns = sum(plan.bucket_seconds)  # each bucket waits for its busiest member
     local = (params.muon_elements + 2 * params.adamw_elements) / shards
     elementwise = (params.muon_elements * MUON_PASSES + params.adamw_elements * ADAMW_PASSES) \
         * 4 / shards / profile.memory_bytes_per_s  # fmt: skip
     elementwise += profile.overhead_per_matrix_s * sum(n for _, n in params.matrices)
-    return Prediction(ranks, transport, exchange + ns + elementwise, int(moved), busiest,
-                      int(local * 4), exchange, ns, elementwise)  # fmt: skip
-
-
-def _short_side(params: Params) -> int:
-    """The short side of the matrix that carries most of the FLOPs (for the matmul rate)."""
-    (r, c), _ = max(params.matrices, key=lambda m: min(m[0]) ** 2 * max(m[0]) * m[1])
-    return min(r, c)
+    return Prediction(ranks, transport, exchange + ns + elementwise, int(moved.max()), busiest,
+                      int(local * 4), exchange, ns, elementwise, plan.team_size)  # fmt: skip
 
 
 def hsdp_shards(ranks: int) -> int:
@@ -249,7 +301,7 @@ def predictions(params: Params, ranks: Sequence[int], profile: DeviceProfile) ->
     """Each transport at each rank count, on the default HSDP mesh (nodes of 8)."""
     rows = []
     for n in ranks:
-        plan = plan_exchange(params, n, hsdp_shards(n), torch.bfloat16)
+        plan = plan_exchange(params, n, hsdp_shards(n), torch.bfloat16, profile)
         rows += [predict(params, n, hsdp_shards(n), t, profile, plan=plan) for t in TRANSPORTS]
     return rows
 
@@ -360,7 +412,8 @@ def _muon_step_seconds(shapes: Sequence[tuple[int, int]], transport: str) -> flo
     """One Muon step (fsdp, no overlap, ``transport``) on these matrices, median of 5."""
     from hyper_parallel_builtins.muon import Muon
 
-    os.environ.update(HYPER_PARALLEL_EXCHANGE_OVERLAP="0", HYPER_PARALLEL_TRANSPORT=transport)
+    os.environ.update(HYPER_PARALLEL_EXCHANGE_OVERLAP="0", HYPER_PARALLEL_TRANSPORT=transport,
+                      HYPER_PARALLEL_TEAM_SIZE="1")  # fmt: skip
     opt = Muon(_sharded_matrices(shapes), lr=0.02, sharding="fsdp")
     return median_seconds(opt.step, 5)
 
@@ -424,7 +477,11 @@ def calibrate() -> DeviceProfile:
 
 
 class _Counting:
-    """Payload bytes of this rank's owner-exchange collectives while active (sent plus received)."""
+    """Payload bytes of this rank's collectives while active (handed over plus received).
+
+    At 2 ranks this is what a ring moves: an all-reduce of ``n`` elements
+    sends and receives ``n``, an all-gather receives the other's part.
+    """
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -432,14 +489,17 @@ class _Counting:
     def __enter__(self) -> _Counting:
         import torch.distributed as dist
 
-        self._real = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_single")}
+        names = ("all_to_all_single", "all_gather_single", "all_reduce")
+        self._real = {n: getattr(dist, n) for n in names}
 
         def counted(collective: Callable[..., Any]) -> Callable[..., Any]:
-            def call(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                self.bytes += (output.numel() + input.numel()) * output.element_size()
+            def call(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                # all_reduce: handed and received in place; all_gather: its own part stays
+                handed = args[0] if collective is self._real["all_to_all_single"] else output
                 if collective is self._real["all_gather_single"]:
-                    self.bytes -= input.numel() * input.element_size()  # its own part stays
-                return collective(output, input, *args, **kwargs)
+                    handed = output[:0]
+                self.bytes += (output.numel() + handed.numel()) * output.element_size()
+                return collective(output, *args, **kwargs)
 
             return call
 
@@ -461,12 +521,11 @@ def _validate_worker(rank: int, world_size: int, out: str, cases: list[list[int]
     from hyper_parallel_builtins.muon import Muon
 
     records = []
-    for dim, layers in cases:
+    for dim, layers, team_size in cases:
         for transport in TRANSPORTS:
             shapes = transformer_shapes(dim, layers)
-            os.environ.update(
-                HYPER_PARALLEL_EXCHANGE_OVERLAP="0", HYPER_PARALLEL_TRANSPORT=transport
-            )
+            os.environ.update(HYPER_PARALLEL_EXCHANGE_OVERLAP="0", HYPER_PARALLEL_TRANSPORT=transport,
+                              HYPER_PARALLEL_TEAM_SIZE=str(team_size))  # fmt: skip
             opt = Muon(_sharded_matrices(shapes), lr=0.02, sharding="fsdp")
             opt.step()  # the plan and the momentum
             with _Counting() as counted:
@@ -474,14 +533,15 @@ def _validate_worker(rank: int, world_size: int, out: str, cases: list[list[int]
             seconds = median_seconds(opt.step, 5)
             moved: list[Any] = [None, None]
             dist.all_gather_object(moved, counted.bytes)
-            records.append({"dim": dim, "layers": layers, "transport": transport,
-                            "measured_s": seconds, "measured_bytes": max(moved)})  # fmt: skip
+            records.append({"dim": dim, "layers": layers, "team_size": team_size,
+                            "transport": transport, "measured_s": seconds,
+                            "measured_bytes": max(moved)})  # fmt: skip
     if rank == 0:
         Path(out).write_text(json.dumps(records))
 
 
-def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
-    """Measured against predicted at 2 ranks: each case (dim, layers) by each transport."""
+def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int, int]]) -> list[dict[str, Any]]:
+    """Measured against predicted at 2 ranks: each case (dim, layers, team size) by each transport."""
     from benchmarks.suite import transformer_shapes
     from hyper_parallel_builtins.muon import default_ns_dtype
 
@@ -490,8 +550,11 @@ def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int]]) -> list[d
     for record in _spawn(_validate_worker, [list(c) for c in cases]):
         shapes = transformer_shapes(record["dim"], record["layers"])
         params = Params(f"d={record['dim']}", tuple((s, 1) for s in shapes), 0)
-        p = predict(params, 2, 2, record["transport"], profile, ns_dtype, device="cpu")
+        team_size = record["team_size"]
+        plan = plan_exchange(params, 2, 2, ns_dtype, profile, device="cpu", team_size=team_size)
+        p = predict(params, 2, 2, record["transport"], profile, ns_dtype, plan=plan)
         rows.append({"ranks": 2, "dim": record["dim"], "layers": record["layers"],
+                     "team_size": team_size,
                      "transport": record["transport"], "predicted_s": p.step_s,
                      "measured_s": record["measured_s"], "predicted_bytes": p.bytes_per_rank,
                      "measured_bytes": record["measured_bytes"]})  # fmt: skip
@@ -500,8 +563,9 @@ def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int]]) -> list[d
 
 # ---------------------------------------------------------------- command line
 
-#: The validation's models: (dim, layers), each a few seconds a step at 2 ranks.
-VALIDATION_CASES = ((256, 2), (512, 1))
+#: The validation's models: (dim, layers, ranks per matrix), each a few seconds a step at
+#: 2 ranks; the last shares every matrix between both ranks (``team_size=2``).
+VALIDATION_CASES = ((256, 2, 1), (512, 1, 1), (512, 1, 2))
 
 
 def _load_params(name: str) -> Params:
@@ -514,9 +578,11 @@ def _load_params(name: str) -> Params:
 
 
 def _print_validation(rows: list[dict[str, Any]]) -> None:
-    print("ranks  dim  layers  transport   predicted_s  measured_s  ratio  predicted_B  measured_B")
+    print("ranks  dim  layers  team  transport   predicted_s  measured_s  ratio  predicted_B  "
+          "measured_B")  # fmt: skip
     for r in rows:
-        print(f"{r['ranks']:5d} {r['dim']:4d} {r['layers']:6d}  {r['transport']:10s} "
+        print(f"{r['ranks']:5d} {r['dim']:4d} {r['layers']:6d} {r['team_size']:5d}  "
+              f"{r['transport']:10s} "
               f"{r['predicted_s']:11.4f} {r['measured_s']:11.4f} "
               f"{r['predicted_s'] / r['measured_s']:6.2f} {r['predicted_bytes']:12d} "
               f"{r['measured_bytes']:11d}")  # fmt: skip
@@ -557,11 +623,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["profile"] = cluster.name
         result["predictions"] = [
             {k: getattr(r, k) for k in ("ranks", "transport", "step_s", "bytes_per_rank",
-                                        "ns_flops_per_rank", "state_bytes_per_rank")}
+                                        "ns_flops_per_rank", "state_bytes_per_rank", "team_size")}
             for r in rows
         ]  # fmt: skip
         for n in ranks:
-            print(f"{params.name} at {n} ranks ({cluster.name}): picks {pick(rows, n)}; " + "; ".join(
+            team = next(r.team_size for r in rows if r.ranks == n)
+            print(f"{params.name} at {n} ranks ({cluster.name}): picks {pick(rows, n)}, "
+                  f"{team} rank(s) per matrix; " + "; ".join(
                 f"{r.transport} {r.step_s:.3f} s, {r.bytes_per_rank / 2**20:.0f} MiB/rank, "
                 f"NS {r.ns_flops_per_rank / 1e12:.2f} TFLOP/rank"
                 for r in rows if r.ranks == n))  # fmt: skip

@@ -21,7 +21,9 @@ STEPS = 5
 
 
 @contextmanager
-def exchange_options(*, overlap: bool, transport: str = "auto") -> Iterator[None]:
+def exchange_options(
+    *, overlap: bool, transport: str = "auto", team_size: str = "auto"
+) -> Iterator[None]:
     """Backends made in the block overlap the exchange or not, with one matrix per bucket and owner.
 
     The default floor on bucket size makes a small model's exchange one
@@ -31,10 +33,11 @@ def exchange_options(*, overlap: bool, transport: str = "auto") -> Iterator[None
     import hyper_parallel_builtins.fsdp_backend as fsdp_backend
 
     floor = fsdp_backend.MIN_BUCKET_BYTES
-    names = (fsdp_backend.OVERLAP_ENV, fsdp_backend.TRANSPORT_ENV)
+    names = (fsdp_backend.OVERLAP_ENV, fsdp_backend.TRANSPORT_ENV, fsdp_backend.TEAM_SIZE_ENV)
     before = {name: os.environ.get(name) for name in names}
     fsdp_backend.MIN_BUCKET_BYTES = 1
-    os.environ.update(zip(names, ("1" if overlap else "0", transport), strict=True))
+    values = ("1" if overlap else "0", transport, team_size)
+    os.environ.update(zip(names, values, strict=True))
     try:
         yield
     finally:
@@ -216,6 +219,47 @@ def _check_against_one_process(mesh: Any, rows: slice, label: str) -> None:
         assert mine[name] <= full[name] / shards * 1.35 + 512, (label, name, mine[name], full[name])
 
 
+def _check_teams(mesh: Any, rows: slice, sizes: tuple[int, ...], label: str) -> None:
+    """Matrices shared by teams of ranks: one process's numbers, every rank computing."""
+    import hyper_parallel_builtins.muon as muon_module
+
+    torch.manual_seed(0)
+    reference = TinyLM(qkv_bias=False)
+    initial = copy.deepcopy(reference)
+    batch = _batch()
+    _train(reference, _optimizer(reference), batch)
+    real, calls = muon_module.newton_schulz_team, []
+
+    def counted(slices: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(slices))
+        return real(slices, *args, **kwargs)
+
+    for size in sizes:
+        calls.clear()
+        trained = {}
+        for overlap in (True, False):
+            model = _sharded_copy(initial, mesh)
+            with exchange_options(overlap=overlap, team_size=str(size)):
+                muon_module.newton_schulz_team = counted  # type: ignore[assignment]
+                try:
+                    _train(model, _optimizer(model), batch[rows])
+                finally:
+                    muon_module.newton_schulz_team = real
+            trained[overlap] = model
+        assert_bitwise_equal(trained[True], trained[False], f"{label}, teams of {size}")
+        for (name, p), q in zip(trained[True].named_parameters(), reference.parameters(),
+                                strict=True):  # fmt: skip
+            torch.testing.assert_close(
+                p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-5,
+                msg=f"{label}, teams of {size}: {name}",
+            )  # fmt: skip
+        # every rank takes a slice of each of the step's 14 matrices that its team holds
+        shared = [0] * dist.get_world_size()
+        dist.all_gather_object(shared, sum(calls))
+        assert all(n > 0 for n in shared), (label, size, shared)
+        assert sum(shared) == 2 * STEPS * 14 * size, (label, size, shared)
+
+
 def _fsdp_and_hsdp(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -226,6 +270,8 @@ def _fsdp_and_hsdp(rank: int, world_size: int) -> None:
     if world_size == 4:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         _check_against_one_process(mesh, rows, "hsdp 2x2")
+        _check_teams(flat, rows, (2, 4), "fsdp x4")
+        _check_teams(mesh, rows, (4,), "hsdp 2x2")
 
 
 def _work_is_spread(rank: int, world_size: int) -> None:

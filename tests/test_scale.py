@@ -6,12 +6,14 @@ Its time predictions are held to measurements by the benchmark itself
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.scale import MODELS, Params, plan_exchange, predictions, validate
 from hyper_parallel.core.distributed.cost import DeviceProfile, LinkCost
@@ -26,8 +28,13 @@ PROFILE = DeviceProfile(
 
 
 def test_predicted_bytes_are_the_bytes_each_transport_moves_at_two_ranks() -> None:
-    rows = validate(PROFILE, [(64, 1)])
-    assert [r["transport"] for r in rows] == ["all_to_all", "all_gather"]
+    rows = validate(PROFILE, [(64, 1, 1), (64, 1, 2)])
+    assert [(r["transport"], r["team_size"]) for r in rows] == [
+        ("all_to_all", 1),
+        ("all_gather", 1),
+        ("all_to_all", 2),
+        ("all_gather", 2),
+    ]
     for row in rows:
         assert row["predicted_bytes"] == row["measured_bytes"] > 0, row
         assert row["predicted_s"] > 0 and row["measured_s"] > 0
@@ -35,11 +42,29 @@ def test_predicted_bytes_are_the_bytes_each_transport_moves_at_two_ranks() -> No
 
 def test_plan_gives_every_matrix_one_owner_and_balances_the_flops() -> None:
     params = Params("two sizes", (((512, 512), 6), ((1024, 512), 3)), 0)
-    plan = plan_exchange(params, 4, 4, "float32", device="cpu")  # type: ignore[arg-type]
+    plan = plan_exchange(params, 4, 4, torch.float32, PROFILE, device="cpu", team_size=1)
     assert (plan.flops > 0).all() and plan.flops.max() <= 1.5 * plan.flops.mean()
     # every rank sends its shard of each matrix it does not own, and gets its piece back
     sent = sum(int(to.sent.sum()) for to, _ in plan.trips)
     assert sent == 3 * (6 * 512 * 512 + 3 * 1024 * 512) // 4
+
+
+def test_teams_share_each_matrix_and_its_flops() -> None:
+    params = Params("one big", (((2048, 512), 1), ((512, 512), 1)), 0)
+    whole = plan_exchange(params, 4, 4, torch.float32, PROFILE, device="cpu", team_size=1)
+    teams = plan_exchange(params, 4, 4, torch.float32, PROFILE, device="cpu", team_size=2)
+    assert teams.team_size == 2 and (teams.flops > 0).all()
+    # the big matrix alone set the busiest rank; shared by two it sets half that, and more
+    # ranks work (standard iteration: 4 s^2 l + 2 s^3 per step, split two ways)
+    big = 5 * (4 * 512 * 512 * 2048 + 2 * 512**3)
+    assert float(teams.flops.max()) == big / 2 < float(whole.flops.max())
+    # each member gets what of its band it does not hold. The tall matrix (team of ranks 0
+    # and 1) is cut by rows: rank 0's band is shards 0 and 1, rank 1's shards 2 and 3, so
+    # three 512-row shards travel. The square one (ranks 2 and 3) is cut by columns: each
+    # member gets half the columns of the three 128-row shards it does not hold.
+    sent = sum(int(to.sent.sum()) for to, _ in teams.trips)
+    assert sent == 3 * 512 * 512 + 2 * 3 * 128 * 256
+    assert (teams.team_bytes > 0).all() and int(whole.team_bytes.sum()) == 0
 
 
 def test_llama_70b_predictions_and_the_command_line(tmp_path: Path) -> None:
@@ -55,9 +80,12 @@ def test_llama_70b_predictions_and_the_command_line(tmp_path: Path) -> None:
         (n, t) for n in (8, 64, 1024, 16384) for t in ("all_to_all", "all_gather")
     }
     assert set(rows[0]) == {"ranks", "transport", "step_s", "bytes_per_rank",
-                            "ns_flops_per_rank", "state_bytes_per_rank"}  # fmt: skip
-    flops = [r["ns_flops_per_rank"] for r in rows if r["transport"] == "all_to_all"]
-    assert flops == sorted(flops, reverse=True) and flops[0] > 10 * flops[-1]
+                            "ns_flops_per_rank", "state_bytes_per_rank", "team_size"}  # fmt: skip
+    for transport in ("all_to_all", "all_gather"):
+        flops = [r["ns_flops_per_rank"] for r in rows if r["transport"] == transport]
+        assert all(a > b for a, b in itertools.pairwise(flops)), flops  # falls at every size
+    teams = {r["ranks"]: r["team_size"] for r in rows}
+    assert teams[8] == 1 and teams[16384] > 1, teams
     assert png.read_bytes().startswith(b"\x89PNG")
     assert "llama-70b at 16384 ranks" in result.stdout and "picks all_to_all" in result.stdout
 

@@ -62,10 +62,13 @@ from hyper_parallel.core.distributed import (
     PrepareFn,
     RowBlocks,
     ShardingBackend,
+    TeamTransform,
+    WholeMatrices,
 )
 from hyper_parallel.core.distributed.cost import (
     TRANSPORTS,
     Trip,
+    choose_team_size,
     choose_transport,
     device_profile,
     exchange_trips,
@@ -96,6 +99,7 @@ __all__ = [
     "MIN_BUCKET_BYTES",
     "OVERLAP_BUCKETS",
     "OVERLAP_ENV",
+    "TEAM_SIZE_ENV",
     "TRANSPORT_ENV",
     "FSDPBackend",
     "HSDPBackend",
@@ -109,6 +113,10 @@ OVERLAP_ENV = "HYPER_PARALLEL_EXCHANGE_OVERLAP"
 #: Environment variable read when a backend is made without ``transport``: ``auto`` (the
 #: default when unset), ``all_to_all`` or ``all_gather``.
 TRANSPORT_ENV = "HYPER_PARALLEL_TRANSPORT"
+
+#: Environment variable read when a backend is made without ``team_size``: ``auto`` (the
+#: default when unset) or a whole number of ranks that share each matrix.
+TEAM_SIZE_ENV = "HYPER_PARALLEL_TEAM_SIZE"
 
 #: Buckets the owner exchange is cut into, each giving every owner about this share of
 #: its work: the first bucket's trip to its owners and the last one's trip back are what
@@ -131,29 +139,47 @@ def _overlap_from_env() -> bool:
 
 @dataclass(frozen=True)
 class _Piece:
-    """One distinct part of a param, and the rank that sends it to the owner."""
+    """The part of a work's region that one distinct holder layout covers, and who sends it."""
 
-    layout: Layout
+    part: Layout  # global indices, in the holder's order
+    holder: Layout  # the holder's layout
     sender: int
 
 
 @dataclass(frozen=True)
-class _Owned:
-    """A param that goes through its owner, and every rank's part of it."""
+class _Work:
+    """One rank's share of one param's transform: all of it (its owner) or a slice (a team member)."""
 
     index: int  # into the mesh's tensors
-    owner: int  # rank in the exchange group
+    member: int  # rank in the exchange group that computes it
+    region: Layout  # the indices it computes
     pieces: tuple[_Piece, ...]
-    layouts: tuple[Layout, ...]  # by rank in the exchange group
+    parts: tuple[Layout, ...]  # by rank: what of the region that rank holds, and gets back
+
+
+_Source = tuple[
+    Layout, Layout, int, int
+]  # where in the region; in the sender's shard; sender or -1; offset
 
 
 @dataclass(frozen=True)
 class _Assembly:
-    """How this rank builds one param it owns: each piece from its own shard or from a sender."""
+    """How this rank builds the region of one param it computes, from its shard and what arrives."""
 
     index: int
-    shape: torch.Size
-    parts: tuple[tuple[Layout, int, int], ...]  # (layout, sender or -1 for here, offset)
+    region: Layout
+    parts: tuple[_Source, ...]
+
+
+@dataclass(frozen=True)
+class _Landing:
+    """Where one part of a result lands in this rank's shard, and where it comes from."""
+
+    index: int
+    member: int  # who computed it
+    offset: int  # into what that member returns here
+    into: Layout  # where in this rank's shard
+    out_of: Layout | None  # where in this rank's own result (member is this rank)
 
 
 @dataclass(frozen=True)
@@ -168,14 +194,16 @@ class _Leg:
 
 @dataclass(frozen=True)
 class _Bucket:
-    """What this rank sends, receives, transforms and gets back for one bucket of owned params."""
+    """What this rank sends, receives, transforms and gets back for one bucket of params."""
 
-    send: tuple[tuple[int, ...], ...]  # by rank: indices of this rank's shards sent there
-    owned: tuple[_Assembly, ...]  # the params this rank owns in the bucket
-    back: tuple[tuple[tuple[int, Layout], ...], ...]  # by rank: (index, its layout) of results
-    land: tuple[tuple[int, int, int], ...]  # (index, owner, offset) of every param in the bucket
-    legs: tuple[_Leg, _Leg]  # to the owners, and back
+    send: tuple[tuple[tuple[int, Layout], ...], ...]  # by rank: (index, where in my shard)
+    owned: tuple[_Assembly, ...]  # the regions this rank computes in the bucket
+    back: tuple[tuple[tuple[int, Layout], ...], ...]  # by rank: (index, where in my result)
+    land: tuple[_Landing, ...]
+    legs: tuple[_Leg, _Leg]  # to the members, and back
     transport: str  # how both trips travel (hyper_parallel.core.distributed.cost)
+    like: int  # the index of a param in the bucket (dtype and device of the buffers)
+    empty: tuple[int, ...]  # the params of the bucket this rank holds nothing of
 
 
 @dataclass(frozen=True)
@@ -187,6 +215,7 @@ class _Plan:
     mine: tuple[Layout, ...]  # this rank's layout of each tensor
     in_place: tuple[int, ...]
     buckets: tuple[_Bucket, ...]
+    team: ProcessGroup | None  # this rank's team, where matrices are shared by teams
 
 
 def _supported(p: torch.Tensor) -> bool:
@@ -212,17 +241,29 @@ class FSDPBackend(ShardingBackend):
             :mod:`hyper_parallel.core.distributed.cost` and this device's
             profile). ``None``: ``$HYPER_PARALLEL_TRANSPORT``, else
             ``"auto"``. The results are bitwise the same whichever travels.
+        team_size: Ranks that share each exchanged matrix's transform
+            (a :class:`~hyper_parallel.core.distributed.TeamTransform`):
+            ``1`` for one owner each, a divisor of the exchange's ranks, or
+            ``"auto"`` (what :func:`~hyper_parallel.core.distributed.cost.choose_team_size`
+            predicts fastest with this device's profile; ``1`` without one).
+            ``None``: ``$HYPER_PARALLEL_TEAM_SIZE``, else ``"auto"``. A team's
+            results equal one owner's up to rounding.
 
     Raises:
-        ValueError: ``overlap`` is not a bool, ``transport`` (or its
-            variable) is none of those, or the overlap variable is set to
-            something other than ``1``/``0`` (``true``/``false``,
-            ``on``/``off``).
+        ValueError: ``overlap`` is not a bool, ``transport`` or
+            ``team_size`` (or their variables) is none of those, or the
+            overlap variable is set to something other than ``1``/``0``
+            (``true``/``false``, ``on``/``off``).
     """
 
     name: ClassVar[str] = "fsdp"
 
-    def __init__(self, overlap: bool | None = None, transport: str | None = None) -> None:
+    def __init__(
+        self,
+        overlap: bool | None = None,
+        transport: str | None = None,
+        team_size: int | str | None = None,
+    ) -> None:
         if overlap is None:
             overlap = _overlap_from_env()
         elif not isinstance(overlap, bool):
@@ -235,6 +276,7 @@ class FSDPBackend(ShardingBackend):
                 f"{origin}={transport!r} is not a transport; choose auto, {', '.join(TRANSPORTS)}."
             )
         self.overlap, self.transport = overlap, transport
+        self.team_size = _team_size_option(team_size)
         self._plans: dict[tuple[Any, ...], _Plan] = {}
 
     def accepts(self, params: Sequence[torch.Tensor]) -> bool:
@@ -265,6 +307,7 @@ class FSDPBackend(ShardingBackend):
         needs: Sequence[Need],
         *,
         cost: Callable[[torch.Size], float] | None = None,
+        team: TeamTransform | None = None,
     ) -> list[torch.Tensor]:
         """Make the tensors that travel, start the exchange, then make and transform the rest."""
         by_mesh: dict[DeviceMesh | None, list[int]] = {}
@@ -272,13 +315,13 @@ class FSDPBackend(ShardingBackend):
             check_not_partial(t)
             by_mesh.setdefault(t.device_mesh if is_dtensor(t) else None, []).append(i)  # type: ignore[attr-defined]
         in_place = {i: Layout.whole(layouts[i].shape) for i in by_mesh.pop(None, [])}
-        plans = [(idx, self._plan(layouts, needs, idx, cost)) for idx in by_mesh.values()]
+        plans = [(idx, self._plan(layouts, needs, idx, cost, team)) for idx in by_mesh.values()]
         for indices, plan in plans:
             in_place.update((indices[k], plan.mine[k]) for k in plan.in_place)
         tensors = _Prepared(prepare, layouts)
         tensors.make([i for i in range(len(layouts)) if i not in in_place])
         out: list[torch.Tensor | None] = [None] * len(layouts)
-        exchange = _Exchange(fn, layouts, tensors.local, needs, out)
+        exchange = _Exchange(fn, team, layouts, tensors.local, needs, out)
         steps = [(plan, indices, bucket) for indices, plan in plans for bucket in plan.buckets]
 
         def held_blocks() -> None:
@@ -298,6 +341,7 @@ class FSDPBackend(ShardingBackend):
         needs: Sequence[Need],
         indices: list[int],
         cost: Callable[[torch.Size], float] | None,
+        team: TeamTransform | None,
     ) -> _Plan:
         dts = [cast("DTensor", tensors[i]) for i in indices]
         key = tuple(
@@ -307,7 +351,10 @@ class FSDPBackend(ShardingBackend):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = _make_plan(
-                [tensors[i] for i in indices], [needs[i] for i in indices], cost, self.transport
+                [tensors[i] for i in indices],
+                [needs[i] for i in indices],
+                cost,
+                _Options(self.transport, self.team_size, team),
             )
         return plan
 
@@ -342,11 +389,39 @@ def _block_shapes(shape: torch.Size, need: Need) -> list[torch.Size]:
     return [torch.Size((*shape[:dim], h, *shape[dim + 1 :])) for h in need.heights]
 
 
+@dataclass(frozen=True)
+class _Options:
+    """How a plan is made: the transport, the team size, and the team transform."""
+
+    transport: str
+    team_size: int | str
+    team: TeamTransform | None
+
+
+def _team_size_option(value: int | str | None) -> int | str:
+    """``team_size`` (or ``$HYPER_PARALLEL_TEAM_SIZE``) as ``"auto"`` or a positive int."""
+    origin = "team_size"
+    if value is None:
+        value, origin = os.environ.get(TEAM_SIZE_ENV) or "auto", TEAM_SIZE_ENV
+    if value == "auto":
+        return value
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or isinstance(value, (bool, float)):
+        raise HyperParallelValueError(
+            f"{origin}={value!r} is not a team size; use 'auto' or a whole number >= 1 "
+            "(1: one owner per matrix)."
+        )
+    return size
+
+
 def _make_plan(
     tensors: list[torch.Tensor],
     needs: list[Need],
     cost: Callable[[torch.Size], float] | None,
-    transport: str,
+    options: _Options,
 ) -> _Plan:
     group = exchange_group(cast("DTensor", tensors[0]).device_mesh)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -357,19 +432,81 @@ def _make_plan(
     moving = [i for i in range(len(tensors)) if i not in in_place]
     measure = cost or (lambda shape: float(math.prod(shape)))
     costs = [sum(measure(s) for s in _block_shapes(tensors[i].shape, needs[i])) for i in moving]
-    owners = assign_owners(costs, world)
-    owned = [
-        _Owned(i, owner, _pieces(layouts[i], owner, i), tuple(layouts[i]))
+    size = _team_size([tensors[i] for i in moving], [needs[i] for i in moving], costs, world,
+                      options)  # fmt: skip
+    team = options.team
+    if size > 1:
+        assert team is not None
+        costs = [team.cost(tensors[i].shape, size) for i in moving]
+    owners = assign_owners(costs, world // size)
+    works = [
+        _works(i, tensors[i].shape, owner, size, layouts[i], team)
         for i, owner in zip(moving, owners, strict=True)
     ]
-    nbytes = [tensors[o.index].numel() * tensors[o.index].element_size() for o in owned]
-    dtypes = [tensors[o.index].dtype for o in owned]
-    rounds = exchange_rounds(nbytes, dtypes, owners, world, bucket_bytes(nbytes, owners, world))
-    buckets = tuple(
-        _bucket([owned[k] for k in round_], tensors, rank, world, transport) for round_ in rounds
+    nbytes = [tensors[i].numel() * tensors[i].element_size() // size for i in moving]
+    dtypes = [tensors[i].dtype for i in moving]
+    rounds = exchange_rounds(
+        nbytes, dtypes, owners, world // size, bucket_bytes(nbytes, owners, world // size)
     )
     mine = tuple(layouts[i][rank] for i in range(len(tensors)))
-    return _Plan(group, rank, mine, in_place, buckets)
+    buckets = tuple(
+        _bucket(
+            [w for k in round_ for w in works[k]], tensors, mine, rank, world, options.transport
+        )
+        for round_ in rounds
+    )
+    return _Plan(group, rank, mine, in_place, buckets, _team_group(group, rank, size))
+
+
+def _team_size(
+    tensors: list[torch.Tensor],
+    needs: list[Need],
+    costs: list[float],
+    world: int,
+    options: _Options,
+) -> int:
+    """How many ranks share each matrix: the option, checked, or the cost model's choice."""
+    team, shapes = options.team, [t.shape for t in tensors]
+    whole = all(isinstance(n, WholeMatrices) for n in needs)
+    if options.team_size == "auto":
+        if not (tensors and whole):
+            return 1
+        profile = device_profile(tensors[0].device.type)
+        node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+        return choose_team_size(shapes, costs, team, world, profile, node)
+    size = int(options.team_size)
+    if size == 1 or not tensors:
+        return 1
+    problem = None
+    if world % size:
+        problem = f"it does not divide the {world} ranks that exchange these params"
+    elif team is None:
+        problem = "this optimizer's transform has no team form (TeamTransform)"
+    elif not whole:
+        problem = "some params need row blocks, which a team does not split"
+    else:
+        for shape in shapes:
+            dim = team.split_dim(shape)
+            if dim is None or shape[dim] < size:
+                problem = f"a param of shape {tuple(shape)} cannot be split {size} ways"
+                break
+    if problem:
+        raise HyperParallelValueError(
+            f"team_size={size}: {problem}. Use team_size='auto' or 1, or a size that fits."
+        )
+    return size
+
+
+def _team_group(group: ProcessGroup, rank: int, size: int) -> ProcessGroup | None:
+    """The process group of this rank's team (consecutive ranks of ``group``)."""
+    if size == 1:
+        return None
+    if size == dist.get_world_size(group):
+        return group
+    ranks = dist.get_process_group_ranks(group)
+    first = rank // size * size
+    team: ProcessGroup = dist.new_group(ranks[first : first + size], use_local_synchronization=True)
+    return team
 
 
 def bucket_bytes(nbytes: list[int], owners: list[int], world: int) -> int:
@@ -381,86 +518,133 @@ def bucket_bytes(nbytes: list[int], owners: list[int], world: int) -> int:
     return min(DEFAULT_BUCKET_BYTES // OVERLAP_BUCKETS, max(MIN_BUCKET_BYTES, share))
 
 
-def _pieces(layouts: list[Layout], owner: int, salt: int) -> tuple[_Piece, ...]:
-    """The distinct non-empty parts, each sent by the owner if it holds it, else by one holder."""
+def _works(
+    index: int,
+    shape: torch.Size,
+    owner: int,
+    size: int,
+    layouts: list[Layout],
+    team: TeamTransform | None,
+) -> list[_Work]:
+    """The works of one param: all of it for ``owner``, or a slice for each member of team ``owner``.
+
+    Each distinct part of a region is sent by the member if it holds it,
+    else by one of its holders.
+    """
+    whole = Layout.whole(shape)
+    regions = [(owner, whole)]
+    if size > 1:
+        assert team is not None
+        dim, n = team.split_dim(shape), 0
+        assert dim is not None
+        n = shape[dim]
+        regions = [
+            (owner * size + k, whole.region(dim, k * n // size, (k + 1) * n // size))
+            for k in range(size)
+        ]
     holders: dict[Layout, list[int]] = {}
     for rank, layout in enumerate(layouts):
         if layout.numel:
             holders.setdefault(layout, []).append(rank)
-    return tuple(
-        _Piece(layout, owner if owner in ranks else ranks[salt % len(ranks)])
-        for layout, ranks in holders.items()
-    )
+    works = []
+    for member, region in regions:
+        cut = {layout: layout.intersect(region) for layout in dict.fromkeys(layouts)}
+        pieces = tuple(
+            _Piece(cut[lay], lay, member if layouts[member] == lay else ranks[index % len(ranks)])
+            for lay, ranks in holders.items()
+            if cut[lay].numel
+        )
+        works.append(_Work(index, member, region, pieces, tuple(cut[lay] for lay in layouts)))
+    return works
 
 
 def _bucket(
-    items: list[_Owned], tensors: list[torch.Tensor], me: int, world: int, transport: str
+    works: list[_Work],
+    tensors: list[torch.Tensor],
+    mine: tuple[Layout, ...],
+    me: int,
+    world: int,
+    transport: str,
 ) -> _Bucket:
-    """This rank's part of exchanging ``items``: the orders and offsets both trips use.
+    """This rank's part of exchanging ``works``: the orders and offsets both trips use.
 
+    Both trips list each rank's data work by work, in the bucket's order.
     ``transport="auto"`` takes the one the cost model predicts faster for
     these trips on this device (every rank predicts the same).
     """
-    send: list[list[int]] = [[] for _ in range(world)]
+    send: list[list[tuple[int, Layout]]] = [[] for _ in range(world)]
     sends, recv_sizes, back_sizes = [0] * world, [0] * world, [0] * world
     owned: list[_Assembly] = []
     back: list[list[tuple[int, Layout]]] = [[] for _ in range(world)]
-    land: list[tuple[int, int, int]] = []
-    for item in items:
-        parts = []
-        for piece in item.pieces:
-            if piece.sender == me and item.owner != me:
-                send[item.owner].append(item.index)
-                sends[item.owner] += piece.layout.numel
-            elif item.owner == me:
-                if piece.sender == me:
-                    parts.append((piece.layout, -1, 0))
-                else:
-                    parts.append((piece.layout, piece.sender, recv_sizes[piece.sender]))
-                    recv_sizes[piece.sender] += piece.layout.numel
-        if item.owner == me:
-            owned.append(_Assembly(item.index, tensors[item.index].shape, tuple(parts)))
-            for rank in range(world):
-                if rank != me:
-                    back[rank].append((item.index, item.layouts[rank]))
-            land.append((item.index, me, 0))
+    land: list[_Landing] = []
+    for work in works:
+        if work.member == me:
+            owned.append(_assembly(work, me, recv_sizes))
+            for rank, part in enumerate(work.parts):
+                if rank != me and part.numel:
+                    back[rank].append((work.index, work.region.locate(part)))
+        for piece in work.pieces:
+            if piece.sender == me and work.member != me:
+                send[work.member].append((work.index, piece.holder.locate(piece.part)))
+                sends[work.member] += piece.part.numel
+        part = work.parts[me]
+        if not part.numel:
+            continue
+        into = mine[work.index].locate(part)
+        if work.member == me:
+            land.append(_Landing(work.index, me, 0, into, work.region.locate(part)))
         else:
-            land.append((item.index, item.owner, back_sizes[item.owner]))
-            back_sizes[item.owner] += item.layouts[me].numel
-    returns = [sum(layout.numel for _, layout in to) for to in back]
-    legs, trips = _legs(items, me, world, (sends, recv_sizes), (returns, back_sizes))
-    like = tensors[items[0].index]
+            land.append(_Landing(work.index, work.member, back_sizes[work.member], into, None))
+            back_sizes[work.member] += part.numel
+    returns = [sum(where.numel for _, where in to) for to in back]
+    legs, trips = _legs(works, me, world, (sends, recv_sizes), (returns, back_sizes))
+    like = tensors[works[0].index]
     if transport == "auto":
         transport = choose_transport(trips, like.element_size(), device_profile(like.device.type))
     return _Bucket(
-        tuple(map(tuple, send)), tuple(owned), tuple(map(tuple, back)), tuple(land), legs, transport
-    )
+        tuple(map(tuple, send)), tuple(owned), tuple(map(tuple, back)), tuple(land), legs,
+        transport, works[0].index,
+        tuple(dict.fromkeys(w.index for w in works if not mine[w.index].numel)),
+    )  # fmt: skip
+
+
+def _assembly(work: _Work, me: int, recv_sizes: list[int]) -> _Assembly:
+    """Where each piece of ``work``'s region comes from; advances ``recv_sizes`` by what arrives."""
+    parts = []
+    for piece in work.pieces:
+        where = work.region.locate(piece.part)
+        if piece.sender == me:
+            parts.append((where, piece.holder.locate(piece.part), -1, 0))
+        else:
+            parts.append((where, piece.part, piece.sender, recv_sizes[piece.sender]))
+            recv_sizes[piece.sender] += piece.part.numel
+    return _Assembly(work.index, work.region, tuple(parts))
 
 
 def _legs(
-    items: list[_Owned],
+    works: list[_Work],
     me: int,
     world: int,
-    to_owners: tuple[list[int], list[int]],
+    to_members: tuple[list[int], list[int]],
     back: tuple[list[int], list[int]],
 ) -> tuple[tuple[_Leg, _Leg], tuple[Trip, Trip]]:
     """Both trips as this rank sees them (``(sends, gets)`` of each), and as the cost model does."""
-    pieces = [[(p.sender, p.layout.numel) for p in item.pieces] for item in items]
-    parts = [torch.tensor([lay.numel for lay in item.layouts]) for item in items]
+    pieces = [[(p.sender, p.part.numel) for p in work.pieces] for work in works]
+    parts = [torch.tensor([lay.numel for lay in work.parts]) for work in works]
     trips = exchange_trips(
-        [(item.owner, ps, pa) for item, ps, pa in zip(items, pieces, parts, strict=True)], world
+        [(work.member, ps, pa) for work, ps, pa in zip(works, pieces, parts, strict=True)], world
     )
     # all_gather: each rank's data is its parts in rank order; mine starts after the lower ranks'
     to_start, back_start = [0] * world, [0] * world
-    for item, ps, pa in zip(items, pieces, parts, strict=True):
-        if item.owner < me:
+    for work, ps, pa in zip(works, pieces, parts, strict=True):
+        if work.member < me:
             for sender, numel in ps:
-                if sender != item.owner:
+                if sender != work.member:
                     to_start[sender] += numel
-        below = int(pa[:me].sum()) - (int(pa[item.owner]) if item.owner < me else 0)
-        back_start[item.owner] += below
+        below = int(pa[:me].sum()) - (int(pa[work.member]) if work.member < me else 0)
+        back_start[work.member] += below
     legs = (
-        _Leg(tuple(to_owners[0]), tuple(to_owners[1]), tuple(to_start), trips[0].width),
+        _Leg(tuple(to_members[0]), tuple(to_members[1]), tuple(to_start), trips[0].width),
         _Leg(tuple(back[0]), tuple(back[1]), tuple(back_start), trips[1].width),
     )
     return legs, trips
@@ -554,15 +738,17 @@ class _Exchange:
     def __init__(
         self,
         fn: BlocksFn,
+        team: TeamTransform | None,
         tensors: Sequence[torch.Tensor],
         local: list[torch.Tensor],
         needs: Sequence[Need],
         out: list[torch.Tensor | None],
     ) -> None:
-        self.fn, self.tensors, self.local, self.needs, self.out = fn, tensors, local, needs, out
+        self.fn, self.team, self.tensors, self.local = fn, team, tensors, local
+        self.needs, self.out = needs, out
 
     def in_turn(self, steps: list[_Step]) -> None:
-        """Each bucket's trip to its owners, transform and trip back, one after the other."""
+        """Each bucket's trip to its members, transform and trip back, one after the other."""
         for step in steps:
             results = self._transform(step, self._send(step).wait())
             self._land(step, results, self._return(step, results).wait())
@@ -590,36 +776,44 @@ class _Exchange:
             self._land(returning[0], returning[1], returning[2].wait())
 
     def _send(self, step: _Step) -> _InFlight:
-        """Start sending this rank's pieces of the bucket to their owners."""
+        """Start sending this rank's pieces of the bucket to their members."""
         plan, positions, bucket = step
-        parts = [[self.local[positions[i]] for i in indices] for indices in bucket.send]
-        like = self.local[positions[bucket.land[0][0]]]
+        parts = [[where.take(self.local[positions[i]]) for i, where in to] for to in bucket.send]
+        like = self.local[positions[bucket.like]]
         return _InFlight(parts, bucket.legs[0], bucket.transport, like, plan.group)
 
     def _transform(self, step: _Step, received: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Assemble the whole tensors this rank owns in the bucket; ``fn`` on their blocks, in one call."""
-        _, positions, bucket = step
-        fulls = []
+        """Assemble the regions this rank computes in the bucket; the transform on all, in one call."""
+        plan, positions, bucket = step
+        regions = []
         for owned in bucket.owned:
             mine = self.local[positions[owned.index]]
-            full = mine.new_empty(owned.shape)
-            for layout, sender, offset in owned.parts:
-                data = mine if sender < 0 else received[sender][offset : offset + layout.numel]
-                layout.copy_into(full, data.view(layout.shape))
-            fulls.append(full)
-        results = map_held_blocks(
-            self.fn,
-            fulls,
-            [Layout.whole(f.shape) for f in fulls],
-            [self.needs[positions[o.index]] for o in bucket.owned],
-        )
+            region = mine.new_empty(owned.region.shape)
+            for where, source, sender, offset in owned.parts:
+                if sender < 0:
+                    data = source.take(mine)
+                else:
+                    data = received[sender][offset : offset + where.numel].view(where.shape)
+                where.copy_into(region, data)
+            regions.append(region)
+        if plan.team is not None:
+            assert self.team is not None
+            shapes = [self.tensors[positions[o.index]].shape for o in bucket.owned]
+            results = self.team(regions, shapes, plan.team)
+        else:
+            results = map_held_blocks(
+                self.fn,
+                regions,
+                [Layout.whole(r.shape) for r in regions],
+                [self.needs[positions[o.index]] for o in bucket.owned],
+            )
         return {o.index: r for o, r in zip(bucket.owned, results, strict=True)}
 
     def _return(self, step: _Step, results: dict[int, torch.Tensor]) -> _InFlight:
         """Start sending every rank its piece of each result this rank computed."""
         plan, positions, bucket = step
-        parts = [[layout.take(results[i]) for i, layout in to] for to in bucket.back]
-        like = self.local[positions[bucket.land[0][0]]]
+        parts = [[where.take(results[i]) for i, where in to] for to in bucket.back]
+        like = self.local[positions[bucket.like]]
         return _InFlight(parts, bucket.legs[1], bucket.transport, like, plan.group)
 
     def _land(
@@ -627,12 +821,26 @@ class _Exchange:
     ) -> None:
         """Each param's result for this rank, from its own results or from what came back."""
         plan, positions, bucket = step
-        for index, owner, offset in bucket.land:
-            mine = plan.mine[index]
-            if owner == plan.rank:
-                part = mine.take(results[index])
+        landed: dict[int, list[tuple[Layout, torch.Tensor]]] = {}
+        for landing in bucket.land:
+            into = landing.into
+            if landing.out_of is not None:
+                data = landing.out_of.take(results[landing.index])
             else:
-                part = returned[owner][offset : offset + mine.numel].view(mine.shape)
+                start = landing.offset
+                data = returned[landing.member][start : start + into.numel].view(into.shape)
+            landed.setdefault(landing.index, []).append((into, data))
+        like = self.local[positions[bucket.like]]
+        for index in bucket.empty:
+            landed[index] = [(plan.mine[index], like.new_empty(plan.mine[index].shape))]
+        for index, parts in landed.items():
+            mine = plan.mine[index]
+            if len(parts) == 1 and parts[0][0] == Layout.whole(mine.shape):
+                part = parts[0][1]
+            else:
+                part = parts[0][1].new_empty(mine.shape)
+                for into, data in parts:
+                    into.copy_into(part, data)
             position = positions[index]
             self.out[position] = shard_like(part, self.tensors[position])
 

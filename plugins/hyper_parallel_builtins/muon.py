@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import Tensor
@@ -34,14 +34,20 @@ from hyper_parallel_builtins.newton_schulz import (
     CoefficientSpec,
     newton_schulz_batched,
     newton_schulz_flops,
+    newton_schulz_team,
+    newton_schulz_team_collectives,
     resolve_coefficients,
     resolve_ns_method,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "ADJUST_LR_FNS",
     "MATRIX_VIEWS",
     "Muon",
+    "MuonTeam",
     "default_ns_dtype",
     "lr_scale",
     "matrix_shape",
@@ -227,6 +233,59 @@ def _need(shape: torch.Size, group: Mapping[str, Any]) -> Need:
     batch = _batch_dims(len(shape), group["matrix_view"])
     heights = _row_heights(shape, group)
     return WholeMatrices(batch) if heights is None else RowBlocks(heights, batch)
+
+
+class MuonTeam:
+    """Newton-Schulz of a group's whole matrices as a team of ranks computes it.
+
+    The :class:`~hyper_parallel.core.distributed.TeamTransform` Muon hands
+    its sharding backend. Members slice the columns of the iterated matrix
+    (the rows of a tall param, which is iterated transposed; else its first
+    column dim) and run :func:`newton_schulz_team`; each result is scaled
+    like a whole one's.
+
+    Args:
+        group: A Muon param group, or a mapping with its ``ns_coefficients``,
+            ``ns_steps``, ``matrix_view``, ``eps``, ``matched_adamw_rms`` and
+            ``adjust_lr_fn``.
+        dtype: The Newton-Schulz dtype.
+    """
+
+    def __init__(self, group: Mapping[str, Any], dtype: torch.dtype) -> None:
+        self.group, self.dtype = group, dtype
+        self.coefficients = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+
+    def split_dim(self, shape: torch.Size) -> int | None:
+        _, rows, cols = matrix_shape(shape, self.group["matrix_view"])
+        batch_dims = _batch_dims(len(shape), self.group["matrix_view"])
+        return batch_dims if rows > cols else batch_dims + 1
+
+    def cost(self, shape: torch.Size, members: int) -> float:
+        batch, rows, cols = matrix_shape(shape, self.group["matrix_view"])
+        return batch * newton_schulz_flops(rows, cols, len(self.coefficients), "standard") / members
+
+    def collectives(self, shape: torch.Size, members: int) -> list[tuple[str, int]]:
+        batch, rows, cols = matrix_shape(shape, self.group["matrix_view"])
+        return newton_schulz_team_collectives(batch, min(rows, cols), self.coefficients, members)
+
+    def __call__(
+        self, slices: list[Tensor], shapes: list[torch.Size], group: ProcessGroup
+    ) -> list[Tensor]:
+        views, talls, scales = [], [], []
+        for piece, shape in zip(slices, shapes, strict=True):
+            batch, rows, cols = matrix_shape(shape, self.group["matrix_view"])
+            tall = rows > cols
+            x = piece.reshape(batch, -1, cols) if tall else piece.reshape(batch, rows, -1)
+            views.append(x.mT if tall else x)
+            talls.append(tall)
+            scales.append(lr_scale(rows, cols, self.group))
+        results = newton_schulz_team(
+            views, self.coefficients, group, eps=self.group["eps"], dtype=self.dtype
+        )
+        return [
+            (r.mT if tall else r).reshape(piece.shape).to(piece.dtype).mul_(scale)
+            for r, tall, piece, scale in zip(results, talls, slices, scales, strict=True)
+        ]
 
 
 def _check_blocks(options: dict[str, Any]) -> None:
@@ -423,12 +482,14 @@ class Muon(MatrixOptimizer):
             method = resolve_ns_method(group["ns_method"], rows, cols, device)
             return batch * newton_schulz_flops(rows, cols, group["ns_steps"], method)
 
+        dtype = group["ns_dtype"] or (default_ns_dtype(layouts[0]) if layouts else torch.float32)
         return self.sharding_backend(group).map_prepared_blocks(
             lambda blocks: self._orthogonalize_full(blocks, group),
             prepare,
             layouts,
             [_need(u.shape, group) for u in layouts],
             cost=ns_flops,
+            team=MuonTeam(group, dtype),
         )
 
     def _orthogonalize_full(self, updates: list[Tensor], group: dict[str, Any]) -> list[Tensor]:

@@ -12,6 +12,7 @@ from hyper_parallel.core.distributed._backend import (
     PrepareFn,
     ReductionsFn,
     ShardingBackend,
+    TeamTransform,
     resolve_backend,
 )
 from hyper_parallel.core.distributed._needs import Need, RowBlocks, WholeMatrices
@@ -42,6 +43,7 @@ __all__ = [
     "ReductionsFn",
     "RowBlocks",
     "ShardingBackend",
+    "TeamTransform",
     "WholeMatrices",
     "clip_grad_norm_",
     "fully_shard",

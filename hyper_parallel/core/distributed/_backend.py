@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from hyper_parallel.core.distributed.toolkit import Reducer
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.plugin import PluginKind, get_registry
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = [
     "SHARDING_ENV",
     "BlocksFn",
@@ -23,6 +26,7 @@ __all__ = [
     "PrepareFn",
     "ReductionsFn",
     "ShardingBackend",
+    "TeamTransform",
     "resolve_backend",
 ]
 
@@ -34,6 +38,42 @@ PrepareFn = Callable[[list[int]], list[torch.Tensor]]
 
 #: Maps local matrices to results of their shapes, summing rows and columns through the Reducer.
 ReductionsFn = Callable[[list[torch.Tensor], Reducer], list[torch.Tensor]]
+
+
+class TeamTransform(Protocol):
+    """A block transform that a team of ranks can compute together, each holding a slice.
+
+    Optional for a matrix optimizer (``map_prepared_blocks(..., team=...)``):
+    where one rank's share of whole blocks would leave others idle (fewer
+    matrices than ranks, one matrix far larger than the rest), a backend may
+    hand each block to a team of ranks instead of one owner. Member ``k`` of
+    a team of ``n`` holds indices ``[k * size // n, (k + 1) * size // n)``
+    of the block's :meth:`split_dim` and every index of the other dims; the
+    team calls the transform at once, each member with its slices of the
+    same blocks in the same order, and each gets back its slices of the
+    results. The results equal the whole-block transform's up to rounding.
+
+    Attributes:
+        dtype: What it computes in (the matmul rate and the collectives'
+            element size the backend plans with).
+    """
+
+    dtype: torch.dtype
+
+    def split_dim(self, shape: torch.Size) -> int | None:
+        """The dim of a block of ``shape`` that members slice; ``None``: only whole."""
+
+    def cost(self, shape: torch.Size, members: int) -> float:
+        """One member's FLOPs on a block of ``shape`` shared by ``members`` ranks."""
+
+    def collectives(self, shape: torch.Size, members: int) -> list[tuple[str, int]]:
+        """The collectives a member makes for one such block: ``("all_reduce"|"all_gather", elements)``."""
+
+    def __call__(
+        self, slices: list[torch.Tensor], shapes: list[torch.Size], group: ProcessGroup
+    ) -> list[torch.Tensor]:
+        """This member's slices of the results; ``shapes`` are the whole blocks', ``group`` the team."""
+
 
 #: Environment variable naming the sharding backend when none is given; read when an
 #: optimizer is built.
@@ -102,6 +142,7 @@ class ShardingBackend(abc.ABC):
         needs: Sequence[Need],
         *,
         cost: Callable[[torch.Size], float] | None = None,
+        team: TeamTransform | None = None,
     ) -> list[torch.Tensor]:
         """:meth:`map_blocks` on tensors made by ``prepare`` when the backend first needs them.
 
@@ -121,6 +162,9 @@ class ShardingBackend(abc.ABC):
                 read).
             needs: One :data:`~hyper_parallel.core.distributed.Need` per position.
             cost: As for :meth:`map_blocks`.
+            team: ``fn`` as a :class:`TeamTransform`, for a backend that
+                may split one block's work over several ranks; a backend
+                that never does (this default) ignores it.
 
         Returns:
             One result per position, laid out like its ``layouts`` tensor.

@@ -10,6 +10,14 @@ twice: pieces to their owners, results back. Either trip can travel by
   More bytes, but a ring collective: where per-peer messages are costly
   (many ranks, small pieces) it is the faster.
 
+Where whole matrices would leave ranks idle (fewer matrices than ranks), a
+matrix can go to a *team* of ranks that share its work
+(:class:`~hyper_parallel.core.distributed.TeamTransform`):
+:func:`choose_team_size` picks the team size whose busiest team finishes
+first, counting each member's FLOPs at the profile's matmul rate and the
+team's own collectives (ring all-reduce and all-gather) over the
+all-gather link.
+
 A trip is described per rank (:class:`Trip`: elements sent, received,
 peers), never as a ranks x ranks matrix. The model is alpha-beta: a collective's seconds are
 its latency per message (all-to-all: per peer; all-gather: per ring step)
@@ -29,10 +37,15 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from hyper_parallel.core.distributed.toolkit import assign_owners
 from hyper_parallel.core.errors import HyperParallelValueError
+
+if TYPE_CHECKING:
+    from hyper_parallel.core.distributed._backend import TeamTransform
 
 __all__ = [
     "PROFILE_ENV",
@@ -40,9 +53,12 @@ __all__ = [
     "DeviceProfile",
     "LinkCost",
     "Trip",
+    "choose_team_size",
     "choose_transport",
     "device_profile",
     "exchange_trips",
+    "team_link",
+    "team_seconds",
     "transport_bytes",
     "transport_seconds",
 ]
@@ -79,6 +95,9 @@ class DeviceProfile:
         memory_bytes_per_s: Bytes per second of element-wise work.
         overhead_per_matrix_s: Fixed seconds per matrix and step on every
             rank (dispatch, slicing, wrapping shards), whatever its size.
+        node_link: Latency per ring step and seconds per byte of collectives
+            among the ranks of one node (NVLink, HCCS), which a team that
+            fits in a node uses; ``None``: the same as ``all_gather``.
         source: Where the figures come from (a measurement command, or the
             public documents they are taken from).
     """
@@ -89,6 +108,7 @@ class DeviceProfile:
     matmul_flops: dict[str, list[list[float]]] = field(default_factory=dict)
     memory_bytes_per_s: float = 1e10
     overhead_per_matrix_s: float = 0.0
+    node_link: LinkCost | None = None
     source: str = ""
 
     @classmethod
@@ -110,13 +130,15 @@ class DeviceProfile:
                 },
                 memory_bytes_per_s=float(data.get("memory_bytes_per_s", 1e10)),
                 overhead_per_matrix_s=float(data.get("overhead_per_matrix_s", 0.0)),
+                node_link=LinkCost(**data["node_link"]) if data.get("node_link") else None,
                 source=str(data.get("source", "")),
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise HyperParallelValueError(
                 f"device profile {path}: {type(exc).__name__}: {exc}. A profile is JSON with "
                 '"name", "all_to_all" and "all_gather" ({"latency_s": ..., "seconds_per_byte": '
-                '...}), and optional "matmul_flops" and "source".'
+                '...}), and optional "matmul_flops", "memory_bytes_per_s", '
+                '"overhead_per_matrix_s", "node_link" and "source".'
             ) from None
 
     def to_json(self, path: str | Path) -> None:
@@ -299,3 +321,87 @@ def choose_transport(
         t: sum(transport_seconds(s, element_size, t, profile) for s in trips) for t in TRANSPORTS
     }
     return min(TRANSPORTS, key=lambda t: (seconds[t], TRANSPORTS.index(t)))
+
+
+#: A team size is taken only where its busiest team is predicted this much faster
+#: than the next smaller size's (the model leaves out each collective's launch).
+TEAM_MIN_GAIN = 0.1
+
+
+def team_seconds(
+    flops: float,
+    collectives: Sequence[tuple[str, int]],
+    members: int,
+    element_size: int,
+    rate: float,
+    link: LinkCost,
+) -> float:
+    """Predicted seconds of one member's share of a team's block.
+
+    Its FLOPs at ``rate``, plus each collective as a ring over ``members``
+    on ``link``: an all-gather of ``n`` elements is ``members - 1`` steps
+    moving ``(members - 1) / members * n``, an all-reduce twice that.
+    """
+    seconds = flops / rate
+    if members < 2:
+        return seconds
+    for kind, elements in collectives:
+        steps = (members - 1) * (2 if kind == "all_reduce" else 1)
+        seconds += link.seconds(steps, steps / members * elements * element_size)
+    return seconds
+
+
+def choose_team_size(
+    shapes: Sequence[torch.Size],
+    whole_flops: Sequence[float],
+    team: TeamTransform | None,
+    world: int,
+    profile: DeviceProfile | None,
+    node_size: int | None = None,
+) -> int:
+    """How many ranks share each matrix: ``1`` (one owner each) or a divisor of ``world``.
+
+    For each size, matrices go to teams of consecutive ranks by LPT (as
+    owners do), and the busiest team's predicted seconds
+    (:func:`team_seconds`) decide; a larger size must beat the best so far
+    by :data:`TEAM_MIN_GAIN`. A team within one node (``node_size``
+    consecutive ranks; default all of ``world``) talks over the profile's
+    ``node_link``, a larger one over ``all_gather``'s. Without a profile, a
+    ``team`` or matrices every size can split: ``1``.
+    """
+    if profile is None or team is None or world < 2 or not shapes:
+        return 1
+    dims = [team.split_dim(s) for s in shapes]
+    if any(d is None for d in dims):
+        return 1
+    dtype = str(team.dtype).removeprefix("torch.")
+    rates = [profile.matmul_rate(dtype, min(s[-2:])) for s in shapes]
+    whole = [f / r for f, r in zip(whole_flops, rates, strict=True)]
+    best, best_seconds = 1, _busiest(whole, world)
+    smallest = min(s[d] for s, d in zip(shapes, dims, strict=True) if d is not None)
+    element_size = torch.empty(0, dtype=team.dtype).element_size()
+    for size in range(2, min(world, smallest) + 1):
+        if world % size:
+            continue
+        link = team_link(profile, size, node_size or world)
+        seconds = [
+            team_seconds(team.cost(s, size), team.collectives(s, size), size, element_size, r, link)
+            for s, r in zip(shapes, rates, strict=True)
+        ]
+        busiest = _busiest(seconds, world // size)
+        if busiest < (1 - TEAM_MIN_GAIN) * best_seconds:
+            best, best_seconds = size, busiest
+    return best
+
+
+def team_link(profile: DeviceProfile, size: int, node_size: int) -> LinkCost:
+    """The link a team of ``size`` consecutive ranks talks over: the node's if it fits in one."""
+    fits = size <= node_size and node_size % size == 0
+    return profile.node_link if fits and profile.node_link else profile.all_gather
+
+
+def _busiest(seconds: Sequence[float], bins: int) -> float:
+    """The largest load when ``seconds`` go to ``bins`` by :func:`assign_owners`."""
+    loads = [0.0] * bins
+    assign_owners(seconds, bins, loads)
+    return max(loads)

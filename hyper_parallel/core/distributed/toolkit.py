@@ -121,6 +121,44 @@ class Layout:
             for combo in itertools.product(*per_dim)
         ]
 
+    def region(self, dim: int, start: int, stop: int) -> Layout:
+        """This layout cut to indices ``[start, stop)`` of ``dim`` (a team member's share)."""
+        runs = list(self.runs)
+        runs[dim] = ((start, stop),)
+        return self.intersect(Layout(tuple(runs)))
+
+    def intersect(self, other: Layout) -> Layout:
+        """The indices both hold, in this layout's order (empty runs where nothing is shared)."""
+        return Layout(
+            tuple(
+                tuple(
+                    (max(a, c), min(b, d))
+                    for a, b in mine
+                    for c, d in theirs
+                    if max(a, c) < min(b, d)
+                )
+                for mine, theirs in zip(self.runs, other.runs, strict=True)
+            )
+        )
+
+    def locate(self, sub: Layout) -> Layout:
+        """Where ``sub``'s indices sit in this layout's local tensor, as a layout of that tensor.
+
+        ``sub`` holds a subset of this layout's indices, each of its runs
+        inside one of this layout's runs (as :meth:`intersect` makes them);
+        ``self.locate(sub).take(local)`` is ``sub``'s local tensor.
+        """
+        located = []
+        for mine, theirs in zip(self.runs, sub.runs, strict=True):
+            starts = list(itertools.accumulate((b - a for a, b in mine), initial=0))
+            dim = []
+            for c, d in theirs:
+                k = next(k for k, (a, b) in enumerate(mine) if a <= c and d <= b)
+                offset = starts[k] - mine[k][0]
+                dim.append((c + offset, d + offset))
+            located.append(tuple(dim))
+        return Layout(tuple(located))
+
     def copy_into(self, full: torch.Tensor, local: torch.Tensor) -> None:
         """Write ``local`` (this layout's tensor) into its place in ``full``."""
         for where, here in self._pieces():
