@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,17 @@ from hyper_parallel.core.distributed.cost import (
     DeviceProfile,
     LinkCost,
     Trip,
+    choose_team_size,
     choose_transport,
     device_profile,
     exchange_trips,
+    team_link,
+    team_seconds,
     transport_bytes,
     transport_seconds,
 )
+from hyper_parallel_builtins.muon import MuonTeam
+from hyper_parallel_builtins.newton_schulz import newton_schulz_flops
 
 #: Per-peer messages cost 20x a ring step: all_gather wins where latency dominates.
 PROFILE = DeviceProfile(
@@ -88,3 +94,45 @@ def test_profiles_round_trip_through_json_and_the_environment(
     path.write_text('{"name": "x", "all_to_all": {"latency": 1}}')
     with pytest.raises(ValueError, match=r"device profile .*cluster.json: .*A profile is JSON"):
         DeviceProfile.from_json(path)
+
+
+def test_a_team_member_pays_its_share_of_the_flops_and_ring_collectives() -> None:
+    link = LinkCost(latency_s=1e-3, seconds_per_byte=1e-9)
+    collectives = [("all_reduce", 1000), ("all_gather", 1000)]
+    # 4 members: the all-reduce is 6 ring steps moving 6/4 of its bytes, the all-gather 3, 3/4
+    expected = 8e6 / 1e9 + 1e-3 * (6 + 3) + 1e-9 * 4 * 1000 * (6 + 3) / 4
+    assert team_seconds(8e6, collectives, 4, 4, 1e9, link) == pytest.approx(expected)
+    assert team_seconds(8e6, collectives, 1, 4, 1e9, link) == 8e6 / 1e9  # no team: no talk
+
+
+#: A team's collectives cost little here, so splitting the one large matrix pays.
+FAST_TEAMS = DeviceProfile(
+    name="fast links",
+    all_to_all=LinkCost(latency_s=1e-6, seconds_per_byte=1e-12),
+    all_gather=LinkCost(latency_s=1e-6, seconds_per_byte=1e-12),
+    matmul_flops={"float32": [[64.0, 1e10]]},
+)
+MUON_GROUP = {"ns_coefficients": "keller", "ns_steps": 5, "matrix_view": "auto", "eps": 1e-7,
+              "matched_adamw_rms": None, "adjust_lr_fn": None}  # fmt: skip
+
+
+def test_teams_are_chosen_where_the_model_predicts_them_faster() -> None:
+    team = MuonTeam(MUON_GROUP, torch.float32)
+    shapes = [torch.Size((4096, 1024))] + [torch.Size((256, 256))] * 3
+    flops = [newton_schulz_flops(*s, 5, "standard") for s in shapes]
+    size = choose_team_size(shapes, flops, team, 8, FAST_TEAMS)
+    assert size in (2, 4, 8), size  # one matrix carries nearly all the work: share it
+    slow = dataclasses.replace(FAST_TEAMS, all_gather=LinkCost(1e-2, 1e-6))
+    assert choose_team_size(shapes, flops, team, 8, slow) == 1  # talking costs more than it saves
+    assert choose_team_size(shapes, flops, team, 8, None) == 1  # no profile: one owner each
+    # slow between nodes, fast within one: teams stay inside a node of 2
+    nodes = dataclasses.replace(slow, node_link=FAST_TEAMS.all_gather)
+    assert choose_team_size(shapes, flops, team, 8, nodes, node_size=2) == 2
+    assert (
+        team_link(nodes, 2, 2) == FAST_TEAMS.all_gather
+        and team_link(nodes, 4, 2) == slow.all_gather
+    )
+    # as many equal matrices as ranks: every rank already has a whole share
+    even = [torch.Size((1024, 1024))] * 8
+    whole = [newton_schulz_flops(*s, 5, "standard") for s in even]
+    assert choose_team_size(even, whole, team, 8, FAST_TEAMS) == 1

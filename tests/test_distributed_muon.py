@@ -109,6 +109,22 @@ def test_transport_is_checked_when_the_backend_is_made(monkeypatch: pytest.Monke
         FSDPBackend()
 
 
+def test_team_size_is_checked_when_the_backend_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyper_parallel_builtins.fsdp_backend import TEAM_SIZE_ENV, FSDPBackend
+
+    monkeypatch.delenv(TEAM_SIZE_ENV, raising=False)
+    assert FSDPBackend().team_size == "auto"
+    assert FSDPBackend(team_size=4).team_size == 4
+    monkeypatch.setenv(TEAM_SIZE_ENV, "2")
+    assert FSDPBackend().team_size == 2
+    for bad in (0, "two", 1.5, True):
+        with pytest.raises(ValueError, match=r"team_size=.* is not a team size; use 'auto' or"):
+            FSDPBackend(team_size=bad)  # type: ignore[arg-type]
+    monkeypatch.setenv(TEAM_SIZE_ENV, "-1")
+    with pytest.raises(ValueError, match=rf"{TEAM_SIZE_ENV}='-1' is not a team size"):
+        FSDPBackend()
+
+
 def test_a_backend_without_its_own_map_prepared_blocks_prepares_everything_first() -> None:
     from hyper_parallel.core.distributed import WholeMatrices
     from hyper_parallel_builtins.local_backend import LocalBackend
@@ -258,6 +274,16 @@ def _check_teams(mesh: Any, rows: slice, sizes: tuple[int, ...], label: str) -> 
         dist.all_gather_object(shared, sum(calls))
         assert all(n > 0 for n in shared), (label, size, shared)
         assert sum(shared) == 2 * STEPS * 14 * size, (label, size, shared)
+    if mesh.ndim == 1:
+        model = _sharded_copy(initial, mesh)
+        lm_loss(model, batch[rows]).backward()
+        with (
+            exchange_options(overlap=True, team_size="3"),
+            pytest.raises(
+                ValueError, match=r"team_size=3: it does not divide the 4 ranks that exchange"
+            ),
+        ):
+            _optimizer(model).step()
 
 
 def _fsdp_and_hsdp(rank: int, world_size: int) -> None:

@@ -320,3 +320,25 @@ def _one_group_on_two_meshes(model: HeadsLM, reference: HeadsLM) -> None:
 
 def test_fsdp_x_tp_equals_one_process_and_runs_each_newton_schulz_once() -> None:
     run_distributed(_fsdp_x_tp, world_size=4)
+
+
+def test_a_region_of_any_layout_is_found_in_its_local_tensor() -> None:
+    """``locate`` finds a layout's share of a region inside its own local tensor, strided or not."""
+    from hyper_parallel.core.distributed.toolkit import Layout
+
+    full = torch.arange(12 * 6.0).reshape(12, 6)
+    strided = Layout((((0, 2), (6, 8), (3, 4)), ((0, 6),)))  # FSDP x TP: runs out of order
+    plain = Layout((((4, 10),), ((0, 6),)))
+    for layout in (strided, plain):
+        local = layout.take(full)
+        for dim, (start, stop) in ((0, (1, 7)), (1, (2, 5)), (0, (11, 12))):
+            part = layout.intersect(Layout.whole(full.shape).region(dim, start, stop))
+            assert torch.equal(layout.locate(part).take(local), part.take(full)), (layout, part)
+            region = Layout.whole(full.shape).region(dim, start, stop)
+            assert torch.equal(region.locate(part).take(region.take(full)), part.take(full))
+    assert strided.intersect(Layout.whole(full.shape).region(0, 1, 7)).runs[0] == (
+        (1, 2),
+        (6, 7),
+        (3, 4),
+    )
+    assert plain.intersect(Layout.whole(full.shape).region(0, 11, 12)).numel == 0

@@ -20,6 +20,15 @@ Who computes what, for each param a matrix optimizer hands over:
   owner itself where it holds one); the owner assembles the whole tensors,
   runs the transform on all it owns in the bucket in one call, and a second
   collective returns to every rank its own piece of the result.
+* **Teams.** Where one owner per param would leave ranks idle (fewer
+  params than ranks, one far larger than the rest), each param goes to a
+  team of consecutive ranks instead, if the optimizer offers its transform
+  as a :class:`~hyper_parallel.core.distributed.TeamTransform`: each member
+  receives a band of the param (its *region*) the same way an owner
+  receives the whole, the team runs the transform together, and each
+  member returns its band. An owner is the team of one whose region is the
+  whole param. ``team_size="auto"`` (the default) sizes teams by the cost
+  model.
 
 **Transport:** both trips of a bucket travel by ``all_to_all_single`` (each
 rank sends each owner what it needs) or ``all_gather_single`` (every rank
@@ -534,8 +543,7 @@ def _works(
     whole = Layout.whole(shape)
     regions = [(owner, whole)]
     if size > 1:
-        assert team is not None
-        dim, n = team.split_dim(shape), 0
+        dim = team.split_dim(shape) if team else None
         assert dim is not None
         n = shape[dim]
         regions = [
