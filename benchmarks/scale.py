@@ -311,18 +311,19 @@ def pick(rows: Sequence[Prediction], ranks: int) -> str:
 
 
 def plot(rows: Sequence[Prediction], title: str, path: Path) -> None:
+    """Step time, bytes and Newton-Schulz FLOPs per rank against ranks, one line per transport."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for transport in TRANSPORTS:
-        mine = [r for r in rows if r.transport == transport]
-        axes[0].plot([r.ranks for r in mine], [r.step_s for r in mine], "o-", label=transport)
-        axes[1].plot([r.ranks for r in mine], [r.bytes_per_rank for r in mine], "o-",
-                     label=transport)  # fmt: skip
-    for ax, label in zip(axes, ("predicted step (s)", "bytes per rank per step"), strict=True):
+    panels = (("step_s", "predicted step (s)"), ("bytes_per_rank", "bytes per rank per step"),
+              ("ns_flops_per_rank", "Newton-Schulz FLOPs per rank"))  # fmt: skip
+    fig, axes = plt.subplots(1, len(panels), figsize=(14, 4))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        for transport in TRANSPORTS:
+            mine = [r for r in rows if r.transport == transport]
+            ax.plot([r.ranks for r in mine], [getattr(r, key) for r in mine], "o-", label=transport)
         ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel=label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
