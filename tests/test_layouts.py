@@ -277,8 +277,8 @@ def _fsdp_x_tp(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     reference = HeadsLM()
-    model, overlapped, in_turn = (copy.deepcopy(reference) for _ in "abc")
-    for copied in (model, overlapped, in_turn):
+    model, overlapped, in_turn, teamed = (copy.deepcopy(reference) for _ in "abcd")
+    for copied in (model, overlapped, in_turn, teamed):
         _tensor_parallel(copied, mesh["tp"])
         fully_shard(copied, mesh=mesh["dp"])
     dp = mesh.get_local_rank("dp")
@@ -290,6 +290,10 @@ def _fsdp_x_tp(rank: int, world_size: int) -> None:
         _train(model, _optimizer(model), batch)
     _assert_equal_to_one_process(model, reference, "fsdp x tp")
     _overlap_changes_no_bit(overlapped, in_turn, batch, reference, "fsdp x tp")
+    # matrices shared by teams of 2 ranks: each member's band cut from strided shards
+    with exchange_options(overlap=True, team_size="2"):
+        _train(teamed, _optimizer(teamed), batch)
+    _assert_equal_to_one_process(teamed, reference, "fsdp x tp, teams of 2")
 
     counts: list[int] = [0] * world_size
     dist.all_gather_object(counts, sum(sharded))
