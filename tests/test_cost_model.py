@@ -125,6 +125,8 @@ def test_teams_are_chosen_where_the_model_predicts_them_faster() -> None:
     slow = dataclasses.replace(FAST_TEAMS, all_gather=LinkCost(1e-2, 1e-6))
     assert choose_team_size(shapes, flops, team, 8, slow) == 1  # talking costs more than it saves
     assert choose_team_size(shapes, flops, team, 8, None) == 1  # no profile: one owner each
+    # no matmul rate for the team's dtype (float64 here): nothing to decide by, one owner each
+    assert choose_team_size(shapes, flops, MuonTeam(MUON_GROUP, torch.float64), 8, FAST_TEAMS) == 1
     # slow between nodes, fast within one: teams stay inside a node of 2
     nodes = dataclasses.replace(slow, node_link=FAST_TEAMS.all_gather)
     assert choose_team_size(shapes, flops, team, 8, nodes, node_size=2) == 2

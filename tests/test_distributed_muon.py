@@ -280,7 +280,8 @@ def _check_teams(mesh: Any, rows: slice, sizes: tuple[int, ...], label: str) -> 
         with (
             exchange_options(overlap=True, team_size="3"),
             pytest.raises(
-                ValueError, match=r"team_size=3: it does not divide the 4 ranks that exchange"
+                ValueError,
+                match=r"HYPER_PARALLEL_TEAM_SIZE=3: it does not divide the 4 ranks that exchange",
             ),
         ):
             _optimizer(model).step()

@@ -166,9 +166,10 @@ class _Work:
     parts: tuple[Layout, ...]  # by rank: what of the region that rank holds, and gets back
 
 
-_Source = tuple[
-    Layout, Layout, int, int
-]  # where in the region; in the sender's shard; sender or -1; offset
+#: Where a piece goes in the region; where it is in this rank's shard (sent by this
+#: rank) or its global indices (received); its sender, -1 for this rank; its offset
+#: in what that sender sends.
+_Source = tuple[Layout, Layout, int, int]
 
 
 @dataclass(frozen=True)
@@ -286,7 +287,9 @@ class FSDPBackend(ShardingBackend):
             )
         self.overlap, self.transport = overlap, transport
         self.team_size = _team_size_option(team_size)
+        self._team_size_origin = "team_size" if team_size is not None else TEAM_SIZE_ENV
         self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self._teams: dict[tuple[int, int], ProcessGroup] = {}  # (size, first rank): its group
 
     def accepts(self, params: Sequence[torch.Tensor]) -> bool:
         return any(is_dtensor(p) for p in params) and all(_supported(p) for p in params)
@@ -353,17 +356,17 @@ class FSDPBackend(ShardingBackend):
         team: TeamTransform | None,
     ) -> _Plan:
         dts = [cast("DTensor", tensors[i]) for i in indices]
-        key = tuple(
-            (t.shape, t.dtype, t.placements, t.device_mesh, needs[i])
-            for t, i in zip(dts, indices, strict=True)
-        )
+        layout = [(t.shape, t.dtype, t.placements, t.device_mesh, needs[i])
+                  for t, i in zip(dts, indices, strict=True)]  # fmt: skip
+        key = (*layout, team.dtype if team else None)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = _make_plan(
                 [tensors[i] for i in indices],
                 [needs[i] for i in indices],
                 cost,
-                _Options(self.transport, self.team_size, team),
+                _Options(self.transport, self.team_size, team, self._team_size_origin),
+                self._teams,
             )
         return plan
 
@@ -405,6 +408,7 @@ class _Options:
     transport: str
     team_size: int | str
     team: TeamTransform | None
+    team_size_origin: str = "team_size"  # or the environment variable it came from
 
 
 def _team_size_option(value: int | str | None) -> int | str:
@@ -431,6 +435,7 @@ def _make_plan(
     needs: list[Need],
     cost: Callable[[torch.Size], float] | None,
     options: _Options,
+    teams: dict[tuple[int, int], ProcessGroup],
 ) -> _Plan:
     group = exchange_group(cast("DTensor", tensors[0]).device_mesh)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -441,7 +446,7 @@ def _make_plan(
     moving = [i for i in range(len(tensors)) if i not in in_place]
     measure = cost or (lambda shape: float(math.prod(shape)))
     costs = [sum(measure(s) for s in _block_shapes(tensors[i].shape, needs[i])) for i in moving]
-    size = _team_size([tensors[i] for i in moving], [needs[i] for i in moving], costs, world,
+    size = _team_size([tensors[i] for i in moving], [needs[i] for i in moving], costs, group,
                       options)  # fmt: skip
     team = options.team
     if size > 1:
@@ -464,25 +469,32 @@ def _make_plan(
         )
         for round_ in rounds
     )
-    return _Plan(group, rank, mine, in_place, buckets, _team_group(group, rank, size))
+    return _Plan(group, rank, mine, in_place, buckets, _team_group(group, rank, size, teams))
 
 
 def _team_size(
     tensors: list[torch.Tensor],
     needs: list[Need],
     costs: list[float],
-    world: int,
+    group: ProcessGroup,
     options: _Options,
 ) -> int:
-    """How many ranks share each matrix: the option, checked, or the cost model's choice."""
+    """How many ranks share each matrix: the option, checked, or the cost model's choice.
+
+    The choice is rank 0's, so every rank plans the same even where their
+    environments differ.
+    """
     team, shapes = options.team, [t.shape for t in tensors]
+    world = dist.get_world_size(group)
     whole = all(isinstance(n, WholeMatrices) for n in needs)
     if options.team_size == "auto":
-        if not (tensors and whole):
-            return 1
-        profile = device_profile(tensors[0].device.type)
-        node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
-        return choose_team_size(shapes, costs, team, world, profile, node)
+        size = 1
+        if tensors and whole:
+            profile = device_profile(tensors[0].device.type)
+            size = choose_team_size(shapes, costs, team, world, profile, _node_size(group))
+        agreed = [size]
+        dist.broadcast_object_list(agreed, src=dist.get_global_rank(group, 0), group=group)
+        return int(agreed[0])
     size = int(options.team_size)
     if size == 1 or not tensors:
         return 1
@@ -501,21 +513,45 @@ def _team_size(
                 break
     if problem:
         raise HyperParallelValueError(
-            f"team_size={size}: {problem}. Use team_size='auto' or 1, or a size that fits."
+            f"{options.team_size_origin}={size}: {problem}. Use 'auto' or 1, or a size that fits."
         )
     return size
 
 
-def _team_group(group: ProcessGroup, rank: int, size: int) -> ProcessGroup | None:
-    """The process group of this rank's team (consecutive ranks of ``group``)."""
+def _node_size(group: ProcessGroup) -> int:
+    """The most consecutive ranks of ``group`` that always share a node (``LOCAL_WORLD_SIZE``)."""
+    ranks = dist.get_process_group_ranks(group)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
+
+    def one_node_each(n: int) -> bool:
+        return all(
+            len({r // local for r in ranks[f : f + n]}) == 1 for f in range(0, len(ranks), n)
+        )
+
+    return max(n for n in range(1, len(ranks) + 1) if len(ranks) % n == 0 and one_node_each(n))
+
+
+def _team_group(
+    group: ProcessGroup, rank: int, size: int, teams: dict[tuple[int, int], ProcessGroup]
+) -> ProcessGroup | None:
+    """The process group of this rank's team: ``size`` consecutive ranks of ``group``.
+
+    Over the whole world every rank makes every team's group, in the same
+    order (``new_subgroups``); over a sub-mesh's group only the members
+    meet. A team's collectives get their own group even where it is the
+    whole exchange group, so they never queue behind the exchange's.
+    """
     if size == 1:
         return None
-    if size == dist.get_world_size(group):
-        return group
-    ranks = dist.get_process_group_ranks(group)
     first = rank // size * size
-    team: ProcessGroup = dist.new_group(ranks[first : first + size], use_local_synchronization=True)
-    return team
+    if (size, first) not in teams:
+        if dist.get_world_size(group) == dist.get_world_size():
+            mine, _ = dist.new_subgroups(group_size=size)
+            teams[size, first] = mine
+        else:
+            members = dist.get_process_group_ranks(group)[first : first + size]
+            teams[size, first] = dist.new_group(members, use_local_synchronization=True)
+    return teams[size, first]
 
 
 def bucket_bytes(nbytes: list[int], owners: list[int], world: int) -> int:

@@ -242,7 +242,9 @@ class MuonTeam:
     its sharding backend. Members slice the columns of the iterated matrix
     (the rows of a tall param, which is iterated transposed; else its first
     column dim) and run :func:`newton_schulz_team`; each result is scaled
-    like a whole one's.
+    like a whole one's. A team always runs the standard iteration (whatever
+    ``ns_method``), in one dtype for the group (``ns_dtype``, else the
+    default for its first param), and sums its Gram matrices in that dtype.
 
     Args:
         group: A Muon param group, or a mapping with its ``ns_coefficients``,

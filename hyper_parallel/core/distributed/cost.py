@@ -324,7 +324,7 @@ def choose_transport(
 
 
 #: A team size is taken only where its busiest team is predicted this much faster
-#: than the next smaller size's (the model leaves out each collective's launch).
+#: than the best smaller size's (the model leaves out each collective's launch).
 TEAM_MIN_GAIN = 0.1
 
 
@@ -366,15 +366,16 @@ def choose_team_size(
     (:func:`team_seconds`) decide; a larger size must beat the best so far
     by :data:`TEAM_MIN_GAIN`. A team within one node (``node_size``
     consecutive ranks; default all of ``world``) talks over the profile's
-    ``node_link``, a larger one over ``all_gather``'s. Without a profile, a
-    ``team`` or matrices every size can split: ``1``.
+    ``node_link``, a larger one over ``all_gather``'s. ``1`` where there is
+    nothing to decide by: no profile, no matmul rate for the team's dtype in
+    it, no ``team``, or a matrix the team cannot split.
     """
+    dtype = str(team.dtype).removeprefix("torch.") if team else ""
     if profile is None or team is None or world < 2 or not shapes:
         return 1
     dims = [team.split_dim(s) for s in shapes]
-    if any(d is None for d in dims):
+    if any(d is None for d in dims) or not profile.matmul_flops.get(dtype):
         return 1
-    dtype = str(team.dtype).removeprefix("torch.")
     rates = [profile.matmul_rate(dtype, min(s[-2:])) for s in shapes]
     whole = [f / r for f, r in zip(whole_flops, rates, strict=True)]
     best, best_seconds = 1, _busiest(whole, world)
