@@ -146,8 +146,8 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def median_seconds(step: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``step`` after one warm-up call, each call bracketed by barriers."""
+def step_seconds(step: Callable[[], object], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``step`` after a warm-up, each between barriers."""
     step()  # warm up (state allocation, first-call overheads)
     times = []
     for _ in range(repeats):
@@ -156,7 +156,12 @@ def median_seconds(step: Callable[[], object], repeats: int) -> float:
         step()
         dist.barrier()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(step: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``step`` (:func:`step_seconds`)."""
+    return statistics.median(step_seconds(step, repeats))
 
 
 def _time_in_turns(steps: dict[str, Callable[[], None] | None], repeats: int) -> dict[str, float]:

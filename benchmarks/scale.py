@@ -354,17 +354,9 @@ REPEATS = 7
 
 def fastest_seconds(step: Callable[[], object], repeats: int = REPEATS) -> float:
     """The fastest of ``repeats`` calls of ``step`` after a warm-up, each between barriers."""
-    import torch.distributed as dist
+    from benchmarks.distributed_muon import step_seconds
 
-    step()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        step()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(step_seconds(step, repeats))
 
 
 def _times(n: int, fn: Callable[[], object]) -> Callable[[], None]:
