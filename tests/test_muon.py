@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import hyper_parallel_builtins.muon as muon_module
 from hyper_parallel import get_registry
-from hyper_parallel_builtins.muon import Muon, default_ns_dtype
+from hyper_parallel_builtins.muon import NS_DTYPE_ENV, Muon, default_ns_dtype
 from hyper_parallel_builtins.newton_schulz import (
     COEFFICIENT_SETS,
     GRAM_MIN_ASPECT,
@@ -264,6 +264,7 @@ def test_newton_schulz_dtype_and_params_keep_their_own(
     native_bf16: bool,
     expected: torch.dtype,
 ) -> None:
+    monkeypatch.delenv(NS_DTYPE_ENV)  # the machine's own default
     monkeypatch.setattr(muon_module, "cpu_has_native_bf16", lambda: native_bf16)
     param = torch.randn(8, 16, dtype=param_dtype, requires_grad=True)
     opt = Muon([param], lr=0.02, ns_dtype=ns_dtype)
@@ -277,6 +278,7 @@ def test_newton_schulz_dtype_and_params_keep_their_own(
 
 
 def test_default_ns_dtype_is_the_fastest_the_device_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(NS_DTYPE_ENV)
     for native_bf16, on_cpu in ((False, torch.float32), (True, torch.bfloat16)):
         monkeypatch.setattr(muon_module, "cpu_has_native_bf16", lambda n=native_bf16: n)
         assert default_ns_dtype(torch.empty(4, 4)) == on_cpu
@@ -285,6 +287,24 @@ def test_default_ns_dtype_is_the_fastest_the_device_has(monkeypatch: pytest.Monk
         for device in ("cpu", "meta"):
             float64 = torch.empty(4, 4, device=device, dtype=torch.float64)
             assert default_ns_dtype(float64) == torch.float64
+
+
+def test_the_environment_names_the_default_ns_dtype_on_every_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for native_bf16 in (False, True):
+        monkeypatch.setattr(muon_module, "cpu_has_native_bf16", lambda n=native_bf16: n)
+        monkeypatch.setenv(NS_DTYPE_ENV, "bfloat16")
+        assert default_ns_dtype(torch.empty(4, 4)) == torch.bfloat16
+        monkeypatch.setenv(NS_DTYPE_ENV, "float32")
+        assert default_ns_dtype(torch.empty(4, 4, device="meta")) == torch.float32
+        assert default_ns_dtype(torch.empty(4, 4, dtype=torch.float64)) == torch.float64
+    param = nn.Parameter(torch.randn(8, 8))
+    monkeypatch.setenv(NS_DTYPE_ENV, "bf16")
+    with pytest.raises(ValueError, match=r"HYPER_PARALLEL_NS_DTYPE='bf16' is not a Newton-Schulz "
+                       r"dtype; set it to one of float32, bfloat16, float16, float64"):  # fmt: skip
+        Muon([param], lr=0.02)  # at construction, before any step
+    Muon([param], lr=0.02, ns_dtype=torch.float32)  # a group that names its dtype ignores it
 
 
 # -- Gram Newton-Schulz ----------------------------------------------------------

@@ -10,6 +10,7 @@ named coefficient sets, the Moonlight-style RMS target
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -46,11 +47,13 @@ if TYPE_CHECKING:
 __all__ = [
     "ADJUST_LR_FNS",
     "MATRIX_VIEWS",
+    "NS_DTYPE_ENV",
     "Muon",
     "MuonTeam",
     "default_ns_dtype",
     "lr_scale",
     "matrix_shape",
+    "ns_dtype_from_env",
 ]
 
 MATRIX_VIEWS = ("auto", "flatten", "batch")
@@ -100,22 +103,56 @@ def matrix_shape(shape: torch.Size | tuple[int, ...], matrix_view: str) -> tuple
     return math.prod(shape[:-2]), shape[-2], shape[-1]
 
 
+#: Environment variable naming the Newton-Schulz dtype of every group with
+#: ``ns_dtype=None`` (float64 params excepted): the same numbers on every machine.
+NS_DTYPE_ENV = "HYPER_PARALLEL_NS_DTYPE"
+_NS_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16, "float64": torch.float64}  # fmt: skip
+
+
 def default_ns_dtype(param: Tensor) -> torch.dtype:
     """The Newton-Schulz dtype used for ``param`` when ``ns_dtype=None``: the fastest here.
 
     * float64 for a float64 param, anywhere;
+    * else ``$HYPER_PARALLEL_NS_DTYPE`` where set (``float32``, ``bfloat16``,
+      ``float16`` or ``float64``), so that machines of different kinds give
+      the same numbers;
     * bfloat16 on an accelerator (CUDA, NPU, anything not a CPU);
     * on a CPU, bfloat16 where it multiplies bf16 in hardware (AVX512-BF16
       or AMX-BF16), float32 otherwise: without them torch emulates bf16
       matmul, about 30x slower than fp32 (figures in the benchmarks page).
 
     Pass ``ns_dtype`` to choose.
+
+    Raises:
+        ValueError: ``$HYPER_PARALLEL_NS_DTYPE`` names no such dtype.
     """
     if param.dtype == torch.float64:
         return torch.float64
+    chosen = ns_dtype_from_env()
+    if chosen is not None:
+        return chosen
     if param.device.type != "cpu" or cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32
+
+
+def ns_dtype_from_env() -> torch.dtype | None:
+    """The dtype ``$HYPER_PARALLEL_NS_DTYPE`` names; ``None`` where it is unset or empty.
+
+    Raises:
+        ValueError: a value that names no dtype Newton-Schulz runs in.
+    """
+    name = os.environ.get(NS_DTYPE_ENV, "").strip()
+    if not name:
+        return None
+    if name not in _NS_DTYPE_NAMES:
+        raise HyperParallelValueError(
+            f"{NS_DTYPE_ENV}={name!r} is not a Newton-Schulz dtype; set it to one of "
+            f"{', '.join(_NS_DTYPE_NAMES)}, or unset it for the fastest here."
+            f"{did_you_mean(name, list(_NS_DTYPE_NAMES))}"
+        )
+    return _NS_DTYPE_NAMES[name]
 
 
 def _validate_options(options: dict[str, Any]) -> None:
@@ -155,9 +192,9 @@ def _validate_options(options: dict[str, Any]) -> None:
                 "contradicts adjust_lr_fn='original'; give one of them (set the other to None)."
             )
     ns_dtype = options["ns_dtype"]
-    if ns_dtype is not None and (
-        not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point
-    ):
+    if ns_dtype is None:
+        ns_dtype_from_env()  # a bad value fails here, before any step
+    elif not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
         raise HyperParallelValueError(
             f"ns_dtype should be a floating-point torch.dtype or None, got {ns_dtype!r}."
         )
@@ -372,8 +409,8 @@ class Muon(MatrixOptimizer):
         ns_dtype: dtype Newton-Schulz runs in. ``None``: the fastest on the
             device (:func:`default_ns_dtype`): bfloat16 on an accelerator
             and on a CPU with native bf16 matmul, float32 on other CPUs,
-            float64 for float64 params. Params and momentum buffers keep
-            their own dtype.
+            float64 for float64 params; ``$HYPER_PARALLEL_NS_DTYPE`` where
+            set. Params and momentum buffers keep their own dtype.
         ns_method: ``"standard"`` iterates on ``X``; ``"gram"`` iterates
             on the small Gram matrix ``X X^T`` and touches ``X`` only at a
             restart and at the end, fewer FLOPs for a matrix several times
