@@ -186,20 +186,20 @@ def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype
 
     team = MuonTeam(MUON_GROUP, ns_dtype)
     shapes = [torch.Size(shape) for shape, n in params.matrices for _ in range(n)]
+    methods = [resolve_ns_method("auto", r, c, torch.device(device)) for r, c in shapes]
     flops = [
-        newton_schulz_flops(r, c, NS_STEPS, resolve_ns_method("auto", r, c, torch.device(device)))
-        for r, c in shapes
+        newton_schulz_flops(r, c, NS_STEPS, m) for (r, c), m in zip(shapes, methods, strict=True)
     ]
     size = team_size or choose_team_size(shapes, flops, team, ranks, profile, RANKS_PER_NODE)
     link = team_link(profile, size, RANKS_PER_NODE)
-    if size > 1:
-        flops = [team.cost(s, size) for s in shapes]
+    if size > 1:  # teams run the standard iteration
+        flops, methods = [team.cost(s, size) for s in shapes], ["standard"] * len(shapes)
     owners = assign_owners(flops, ranks // size)
     element_size = torch.empty(0, dtype=ns_dtype).element_size()
     seconds, moved = [], []
-    for shape, f in zip(shapes, flops, strict=True):
+    for shape, f, method in zip(shapes, flops, methods, strict=True):
         collectives = team.collectives(shape, size) if size > 1 else []
-        rate = profile.matmul_rate(str(ns_dtype).removeprefix("torch."), min(shape))
+        rate = profile.matmul_rate(str(ns_dtype).removeprefix("torch."), min(shape), method)
         seconds.append(team_seconds(f, collectives, size, element_size, rate, link))
         moved.append(sum(_collective_bytes(kind, n, size) for kind, n in collectives)
                      * element_size)  # fmt: skip
@@ -378,32 +378,38 @@ def _fit(points: list[tuple[float, float]]) -> LinkCost:
     return LinkCost(latency_s=max(my - slope * mx, 1e-6), seconds_per_byte=max(slope, 1e-13))
 
 
-def _calibrate_worker(rank: int, world_size: int, out: str) -> None:
-    import torch.distributed as dist
+#: Rows of the ``(rows, 512)`` matrices whose owner exchange calibrates each transport.
+TRIP_ROWS = (16, 128, 512, 2048)
 
-    links: dict[str, list[tuple[float, float]]] = {t: [] for t in TRANSPORTS}
-    for elements in (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 21):
-        send = torch.randn(elements)
-        recv = torch.empty(elements)
-        gathered = torch.empty(2 * elements)
-        splits = [0, elements] if rank == 0 else [elements, 0]
-        a2a = fastest_seconds(_times(10, functools.partial(dist.all_to_all_single, recv, send,
-                              output_split_sizes=splits, input_split_sizes=splits)), 5) / 10  # fmt: skip
-        ag = (
-            fastest_seconds(
-                _times(10, functools.partial(dist.all_gather_single, gathered, send)), 5
-            )
-            / 10
-        )
-        links["all_to_all"].append((elements * 4, a2a))
-        links["all_gather"].append((elements * 4, ag))
+
+def _calibrate_worker(rank: int, world_size: int, out: str, team_dtype: str) -> None:
+    links = {t: [_trip_point(rows, t) for rows in TRIP_ROWS] for t in TRANSPORTS}
     # fixed costs per matrix: steps on 16 and on 64 tiny matrices (one bucket each)
     overhead = [(float(n), _muon_step_seconds([(8, 8)] * n, "all_to_all")) for n in (16, 64)]
     # Newton-Schulz on every rank at once, as the ranks of a step compute
-    flops = {"float32": _matmul_points(torch.float32, (128, 256, 512, 1024)),
-             "bfloat16": _matmul_points(torch.bfloat16, (128, 256, 512))}  # fmt: skip
+    flops = {**_ns_points(torch.float32, (128, 256, 512, 1024)),
+             **_ns_points(torch.bfloat16, (128, 256, 512))}  # fmt: skip
+    team = [(side, _team_seconds(side, getattr(torch, team_dtype))) for side in TEAM_SIDES]
     if rank == 0:
-        Path(out).write_text(json.dumps({"links": links, "overhead": overhead, "flops": flops}))
+        Path(out).write_text(json.dumps({"links": links, "overhead": overhead, "flops": flops,
+                                         "team": team}))  # fmt: skip
+
+
+def _trip_point(rows: int, transport: str) -> tuple[float, float]:
+    """Bytes and seconds of one trip of the owner exchange itself, by ``transport``.
+
+    One ``(rows, 512)`` matrix, row-sharded over the 2 ranks, goes to its
+    owner and back unchanged (two trips, each moving half of it): what a
+    step pays per trip, packing and landing included.
+    """
+    from hyper_parallel.core.distributed import WholeMatrices
+    from hyper_parallel_builtins.fsdp_backend import FSDPBackend
+
+    backend = FSDPBackend(overlap=False, transport=transport, team_size=1)
+    (matrix,) = _sharded_matrices([(rows, 512)])
+    trip = functools.partial(backend.map_blocks, lambda blocks: [b.clone() for b in blocks],
+                             [matrix.detach()], [WholeMatrices()])  # fmt: skip
+    return rows * 512 // 2 * 4, fastest_seconds(trip) / 2
 
 
 def _sharded_matrices(shapes: Sequence[tuple[int, int]]) -> list[Any]:
@@ -433,39 +439,122 @@ def _muon_step_seconds(shapes: Sequence[tuple[int, int]], transport: str) -> flo
     return fastest_seconds(opt.step)
 
 
-def _matmul_points(dtype: torch.dtype, sides: Sequence[int]) -> list[list[float]]:
-    """Newton-Schulz FLOP/s at each short side, on a transformer block's mix of shapes.
+#: Sides of the square matrices whose Newton-Schulz, shared by both ranks, calibrates
+#: the link a team talks over (``node_link``).
+TEAM_SIDES = (128, 256, 512)
 
-    Per side ``s``: four ``s x s`` matrices and three ``8s/3 x s`` ones, each
-    batch by the method Muon picks here, FLOPs counted as Muon counts them.
+
+def _team_seconds(side: int, dtype: torch.dtype) -> float:
+    """Seconds of a ``side``-square matrix's Newton-Schulz in ``dtype``, shared by the 2 ranks."""
+    import torch.distributed as dist
+
+    from hyper_parallel_builtins.muon import MuonTeam
+
+    team = MuonTeam(MUON_GROUP, dtype)
+    half = torch.randn(side, side // 2)
+    return _cold_median(functools.partial(team, [half], [torch.Size((side, side))],
+                                          dist.group.WORLD))  # fmt: skip
+
+
+def fit_team_link(
+    measured: list[tuple[int, float]], profile: DeviceProfile, dtype: torch.dtype
+) -> LinkCost:
+    """The team link that explains the measured team seconds beyond the members' FLOPs.
+
+    Each matrix's collectives make the same number of ring steps, so the
+    time left after its FLOPs (at ``profile``'s rate) fits ``steps x
+    latency + bytes x seconds per byte`` as a line in bytes per step.
+    """
+    from hyper_parallel_builtins.muon import MuonTeam
+
+    team, size = MuonTeam(MUON_GROUP, dtype), dtype.itemsize
+    name = str(dtype).removeprefix("torch.")
+    points = []
+    for side, seconds in measured:
+        shape = torch.Size((side, side))
+        made = team.collectives(shape, 2)
+        steps = sum(2 if kind == "all_reduce" else 1 for kind, _ in made)
+        nbytes = sum(_collective_bytes(kind, n, 2) / 2 * size for kind, n in made)
+        left = seconds - team.cost(shape, 2) / profile.matmul_rate(name, side)
+        points.append((nbytes / steps, left / steps))
+    return _fit(points)
+
+
+def _ns_points(dtype: torch.dtype, sides: Sequence[int]) -> dict[str, list[list[float]]]:
+    """Newton-Schulz FLOP/s at each short side ``s``, per iteration method (profile keys).
+
+    ``"<dtype>"``: the standard iteration on an ``s x s`` matrix;
+    ``"<dtype>/gram"``: the Gram iteration on a SwiGLU MLP's matrices, two
+    ``8s/3 x s`` and one ``s x 8s/3``.
+    """
+    name = str(dtype).removeprefix("torch.")
+    points: dict[str, list[list[float]]] = {name: [], f"{name}/gram": []}
+    for side in sides:
+        long = -(-8 * side // 3 // 32) * 32
+        mlp = [(long, side), (long, side), (side, long)]
+        points[name].append([float(side), _ns_rate([(side, side)], dtype, "standard")])
+        points[f"{name}/gram"].append([float(side), _ns_rate(mlp, dtype, "gram")])
+    return points
+
+
+def _ns_rate(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, method: str) -> float:
+    """FLOP/s of Newton-Schulz by ``method`` over these matrices, as a step's owner runs it.
+
+    One matrix per call, the result cast back to the param's dtype, each
+    call on inputs out of cache (in a step they arrive after the rest of
+    the step has passed through the caches): the median of 7 calls, made
+    on every rank at once.
     """
     from hyper_parallel_builtins.newton_schulz import (
         newton_schulz_batched,
         newton_schulz_flops,
         resolve_coefficients,
-        resolve_ns_method,
     )
 
     coefficients = resolve_coefficients("keller", NS_STEPS)
-    points = []
-    for side in sides:
-        batches = [((side, side), 4), ((-(-8 * side // 3 // 32) * 32, side), 3)]
-        flops, seconds = 0.0, 0.0
-        for (rows, cols), count in batches:
-            method = resolve_ns_method("auto", rows, cols, torch.device("cpu"))
-            matrices = [torch.randn(rows, cols) for _ in range(count)]
-            run = functools.partial(
-                newton_schulz_batched, matrices, coefficients, dtype=dtype, method=method
-            )
-            seconds += fastest_seconds(run)
-            flops += count * newton_schulz_flops(rows, cols, NS_STEPS, method)
-        points.append([float(side), flops / seconds])
-    return points
+    flops, seconds = 0.0, 0.0
+    for rows, cols in shapes:
+        matrix = torch.randn(rows, cols)
+
+        def orthogonalize(matrix: torch.Tensor = matrix) -> None:
+            (result,) = newton_schulz_batched([matrix], coefficients, dtype=dtype, method=method)
+            result.reshape(matrix.shape).to(matrix.dtype)
+
+        seconds += _cold_median(orthogonalize)
+        flops += newton_schulz_flops(rows, cols, NS_STEPS, method)
+    return flops / seconds
 
 
-def calibrate() -> DeviceProfile:
-    """Measure this machine: gloo collectives at 2 ranks, Newton-Schulz and element-wise rates."""
-    measured = _spawn(_calibrate_worker)
+def _cold_median(run: Callable[[], object], repeats: int = REPEATS) -> float:
+    """Median seconds of ``run`` on this rank, each call after 256 MiB have passed the caches."""
+    import statistics
+
+    import torch.distributed as dist
+
+    flush = torch.empty(1 << 26)  # 256 MiB
+    run()
+    times = []
+    for _ in range(repeats):
+        flush.fill_(1.0)
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibrate(team_dtype: torch.dtype | None = None) -> DeviceProfile:
+    """Measure this machine at 2 gloo ranks of one thread each.
+
+    * each transport's latency and seconds per byte, fitted over trips of
+      the owner exchange itself (:data:`TRIP_ROWS`);
+    * Newton-Schulz FLOP/s by dtype, short side and method (``_ns_points``);
+    * the team link (``node_link``): what teams of both ranks take beyond
+      their FLOPs, in ``team_dtype`` (default: Muon's default here);
+    * element-wise bandwidth and the fixed cost per matrix of a step.
+    """
+    team_dtype = team_dtype or _default_ns_dtype()
+    measured = _spawn(_calibrate_worker, str(team_dtype).removeprefix("torch."))
     links = measured["links"]
     (few, t_few), (many, t_many) = measured["overhead"]
     threads = torch.get_num_threads()
@@ -480,7 +569,7 @@ def calibrate() -> DeviceProfile:
         memory = 5 * 3 * 4 * (2 << 22) / (time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
-    return DeviceProfile(
+    profile = DeviceProfile(
         name="measured-here",
         all_to_all=_fit([(b, s) for b, s in links["all_to_all"]]),
         all_gather=_fit([(b, s) for b, s in links["all_gather"]]),
@@ -488,6 +577,9 @@ def calibrate() -> DeviceProfile:
         memory_bytes_per_s=memory,
         overhead_per_matrix_s=max(0.0, (t_many - t_few) / (many - few)),
         source="python -m benchmarks.scale --calibrate (2 gloo ranks of 1 thread, this machine)",
+    )
+    return dataclasses.replace(
+        profile, node_link=fit_team_link(measured["team"], profile, team_dtype)
     )
 
 
@@ -529,7 +621,9 @@ class _Counting:
             setattr(dist, name, collective)
 
 
-def _validate_worker(rank: int, world_size: int, out: str, cases: list[list[int]]) -> None:
+def _validate_worker(
+    rank: int, world_size: int, out: str, cases: list[list[int]], ns_dtype: str
+) -> None:
     import torch.distributed as dist
 
     from benchmarks.suite import transformer_shapes
@@ -541,7 +635,8 @@ def _validate_worker(rank: int, world_size: int, out: str, cases: list[list[int]
             shapes = transformer_shapes(dim, layers)
             os.environ.update(HYPER_PARALLEL_EXCHANGE_OVERLAP="0", HYPER_PARALLEL_TRANSPORT=transport,
                               HYPER_PARALLEL_TEAM_SIZE=str(team_size))  # fmt: skip
-            opt = Muon(_sharded_matrices(shapes), lr=0.02, sharding="fsdp")
+            opt = Muon(_sharded_matrices(shapes), lr=0.02, sharding="fsdp",
+                       ns_dtype=getattr(torch, ns_dtype))  # fmt: skip
             opt.step()  # the plan and the momentum
             with _Counting() as counted:
                 opt.step()
@@ -555,14 +650,19 @@ def _validate_worker(rank: int, world_size: int, out: str, cases: list[list[int]
         Path(out).write_text(json.dumps(records))
 
 
-def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int, int]]) -> list[dict[str, Any]]:
-    """Measured against predicted at 2 ranks: each case (dim, layers, team size) by each transport."""
-    from benchmarks.suite import transformer_shapes
-    from hyper_parallel_builtins.muon import default_ns_dtype
+def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int, int]],
+             ns_dtype: torch.dtype | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Measured against predicted at 2 ranks: each case (dim, layers, team size) by each transport.
 
-    ns_dtype = default_ns_dtype(torch.empty(0))
+    ``ns_dtype``: Muon's Newton-Schulz dtype (default: Muon's default here).
+    """
+    from benchmarks.suite import transformer_shapes
+
+    ns_dtype = ns_dtype or _default_ns_dtype()
     rows = []
-    for record in _spawn(_validate_worker, [list(c) for c in cases]):
+    for record in _spawn(
+        _validate_worker, [list(c) for c in cases], str(ns_dtype).removeprefix("torch.")
+    ):
         shapes = transformer_shapes(record["dim"], record["layers"])
         params = Params(f"d={record['dim']}", tuple((s, 1) for s in shapes), 0)
         team_size = record["team_size"]
@@ -616,19 +716,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="device profile JSON: read (or written by --calibrate)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, help="write a PNG of step time and bytes by ranks")
+    parser.add_argument("--ns-dtype", choices=("float32", "bfloat16"),
+                        help="Newton-Schulz dtype of --validate's steps and of the teams "
+                             "--calibrate times (default: Muon's default here)")  # fmt: skip
     args = parser.parse_args(argv)
+    ns_dtype = getattr(torch, args.ns_dtype) if args.ns_dtype else None
     if not (args.calibrate or args.validate or args.model):
         parser.error("give --calibrate, --validate or --model")
     result: dict[str, Any] = {}
     profile = DeviceProfile.from_json(args.profile) if args.profile and not args.calibrate else None
     if args.calibrate or (args.validate and profile is None):
-        profile = calibrate()
+        profile = calibrate(ns_dtype)
         if args.calibrate and args.profile:
             profile.to_json(args.profile)
         print(f"calibrated: {json.dumps(dataclasses.asdict(profile))}")
     if args.validate:
         assert profile is not None
-        result["validation"] = validate(profile, VALIDATION_CASES)
+        result["validation"] = validate(profile, VALIDATION_CASES, ns_dtype)
         _print_validation(result["validation"])
     if args.model:
         params = _load_params(args.model)
@@ -656,6 +760,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reproduce: python -m benchmarks.scale " + " ".join(sys.argv[1:] if argv is None else argv)
     )
     return 0
+
+
+def _default_ns_dtype() -> torch.dtype:
+    from hyper_parallel_builtins.muon import default_ns_dtype
+
+    return default_ns_dtype(torch.empty(0))
 
 
 def _default_cluster_profile() -> DeviceProfile:

@@ -96,6 +96,22 @@ def test_profiles_round_trip_through_json_and_the_environment(
         DeviceProfile.from_json(path)
 
 
+def test_a_method_s_own_rates_are_used_where_the_profile_has_them(tmp_path: Path) -> None:
+    profile = DeviceProfile(
+        name="rates",
+        all_to_all=LinkCost(1e-5, 1e-10),
+        all_gather=LinkCost(1e-5, 1e-10),
+        matmul_flops={"bfloat16": [[128.0, 1e11], [512.0, 4e11]], "bfloat16/gram": [[128.0, 5e10]]},
+    )
+    assert profile.matmul_rate("bfloat16", 512) == 4e11
+    assert profile.matmul_rate("bfloat16", 256, "standard") == pytest.approx(2.5e11)  # log-midway
+    assert profile.matmul_rate("bfloat16", 512, "gram") == 5e10  # its own, held past its points
+    profile.to_json(path := tmp_path / "rates.json")
+    assert DeviceProfile.from_json(path).matmul_rate("bfloat16", 128, "gram") == 5e10
+    with pytest.raises(ValueError, match=r"no matmul_flops for float32; it has \['bfloat16', "):
+        profile.matmul_rate("float32", 512, "gram")
+
+
 def test_a_team_member_pays_its_share_of_the_flops_and_ring_collectives() -> None:
     link = LinkCost(latency_s=1e-3, seconds_per_byte=1e-9)
     collectives = [("all_reduce", 1000), ("all_gather", 1000)]

@@ -15,8 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.scale import MODELS, Params, plan_exchange, predictions, validate
-from hyper_parallel.core.distributed.cost import DeviceProfile, LinkCost
+from benchmarks.scale import (
+    MODELS,
+    MUON_GROUP,
+    Params,
+    fit_team_link,
+    plan_exchange,
+    predictions,
+    validate,
+)
+from hyper_parallel.core.distributed.cost import DeviceProfile, LinkCost, team_seconds
+from hyper_parallel_builtins.muon import MuonTeam
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = DeviceProfile(
@@ -27,8 +36,12 @@ PROFILE = DeviceProfile(
 )
 
 
-def test_predicted_bytes_are_the_bytes_each_transport_moves_at_two_ranks() -> None:
-    rows = validate(PROFILE, [(64, 1, 1), (64, 1, 2)])
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_predicted_bytes_are_the_bytes_each_transport_moves_at_two_ranks(
+    ns_dtype: torch.dtype,
+) -> None:
+    # in bfloat16 a team's Gram matrices travel in 2 bytes, its norms in 4 (float32 sums)
+    rows = validate(PROFILE, [(64, 1, 1), (64, 1, 2)], ns_dtype)
     assert [(r["transport"], r["team_size"]) for r in rows] == [
         ("all_to_all", 1),
         ("all_gather", 1),
@@ -38,6 +51,22 @@ def test_predicted_bytes_are_the_bytes_each_transport_moves_at_two_ranks() -> No
     for row in rows:
         assert row["predicted_bytes"] == row["measured_bytes"] > 0, row
         assert row["predicted_s"] > 0 and row["measured_s"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_calibration_reads_the_team_link_off_what_teams_take_beyond_their_flops(
+    dtype: torch.dtype,
+) -> None:
+    link, team = LinkCost(latency_s=2e-4, seconds_per_byte=3e-9), MuonTeam(MUON_GROUP, dtype)
+    measured = []
+    for side in (128, 256, 512):
+        shape = torch.Size((side, side))
+        collectives = team.collectives(shape, 2)
+        measured.append((side, team_seconds(team.cost(shape, 2), collectives, 2,
+                                            dtype.itemsize, 1e10, link)))  # fmt: skip
+    fitted = fit_team_link(measured, PROFILE, dtype)  # PROFILE: 1e10 FLOP/s in both dtypes
+    assert fitted.latency_s == pytest.approx(link.latency_s)
+    assert fitted.seconds_per_byte == pytest.approx(link.seconds_per_byte)
 
 
 def test_plan_gives_every_matrix_one_owner_and_balances_the_flops() -> None:

@@ -305,7 +305,9 @@ class MuonTeam:
 
     def collectives(self, shape: torch.Size, members: int) -> list[tuple[str, int]]:
         batch, rows, cols = matrix_shape(shape, self.group["matrix_view"])
-        return newton_schulz_team_collectives(batch, min(rows, cols), self.coefficients, members)
+        return newton_schulz_team_collectives(
+            batch, min(rows, cols), self.coefficients, members, self.dtype
+        )
 
     def __call__(
         self, slices: list[Tensor], shapes: list[torch.Size], group: ProcessGroup

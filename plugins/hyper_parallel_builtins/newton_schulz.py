@@ -599,14 +599,20 @@ def _team_polynomial(
 
 
 def newton_schulz_team_collectives(
-    batch: int, short: int, coefficients: Sequence[Coefficients], ranks: int
+    batch: int,
+    short: int,
+    coefficients: Sequence[Coefficients],
+    ranks: int,
+    dtype: torch.dtype = torch.float32,
 ) -> list[tuple[str, int]]:
     """The collectives one rank makes in :func:`newton_schulz_team` for one matrix.
 
-    ``(kind, elements)``: the norm's all-reduce, then per step the Gram
+    ``(kind, elements)``, in elements of the iteration's ``dtype``: the
+    norm's all-reduce (summed in at least float32), then per step the Gram
     all-reduce and (unless the step is cubic) the polynomial's all-gather.
     """
-    made = [("all_reduce", batch)]
+    wide = torch.promote_types(dtype, torch.float32)
+    made = [("all_reduce", batch * wide.itemsize // dtype.itemsize)]
     for _, _, c in coefficients:
         made.append(("all_reduce", batch * short * short))
         if c != 0.0:

@@ -67,7 +67,11 @@ class TeamTransform(Protocol):
         """One member's FLOPs on a block of ``shape`` shared by ``members`` ranks."""
 
     def collectives(self, shape: torch.Size, members: int) -> list[tuple[str, int]]:
-        """The collectives a member makes for one such block: ``("all_reduce"|"all_gather", elements)``."""
+        """The collectives a member makes for one such block: ``("all_reduce"|"all_gather", elements)``.
+
+        Elements are counted in :attr:`dtype`'s size (a float32 sum in a
+        bfloat16 team counts as two elements).
+        """
 
     def __call__(
         self, slices: list[torch.Tensor], shapes: list[torch.Size], group: ProcessGroup

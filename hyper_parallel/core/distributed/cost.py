@@ -91,7 +91,9 @@ class DeviceProfile:
         all_gather: Latency per ring step and seconds per byte.
         matmul_flops: Newton-Schulz FLOP/s by dtype name (``"float32"``,
             ``"bfloat16"``), as ``[short side, FLOP/s]`` points: the rate of
-            matrices of that short side (interpolated between points).
+            matrices of that short side (interpolated between points). A key
+            ``"<dtype>/<method>"`` (``"bfloat16/gram"``) gives the rate of
+            one iteration method where it differs from the dtype's.
         memory_bytes_per_s: Bytes per second of element-wise work.
         overhead_per_matrix_s: Fixed seconds per matrix and step on every
             rank (dispatch, slicing, wrapping shards), whatever its size.
@@ -144,13 +146,18 @@ class DeviceProfile:
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
 
-    def matmul_rate(self, dtype: str, short_side: int) -> float:
+    def matmul_rate(self, dtype: str, short_side: int, method: str = "standard") -> float:
         """FLOP/s of Newton-Schulz in ``dtype`` on matrices of ``short_side`` (log-interpolated).
+
+        ``method``'s own figures (``"<dtype>/<method>"``) where the profile
+        has them, else the dtype's.
 
         Raises:
             ValueError: the profile has no figure for ``dtype``.
         """
-        points = sorted(self.matmul_flops.get(dtype, []))
+        points = sorted(
+            self.matmul_flops.get(f"{dtype}/{method}") or self.matmul_flops.get(dtype, [])
+        )
         if not points:
             raise HyperParallelValueError(
                 f"device profile {self.name!r} has no matmul_flops for {dtype}; it has "
