@@ -359,18 +359,8 @@ def fastest_seconds(step: Callable[[], object], repeats: int = REPEATS) -> float
     return min(step_seconds(step, repeats))
 
 
-def _times(n: int, fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn`` ``n`` times back to back (a collective's time without a barrier after each)."""
-
-    def run() -> None:
-        for _ in range(n):
-            fn()
-
-    return run
-
-
 def _fit(points: list[tuple[float, float]]) -> LinkCost:
-    """Least-squares ``seconds = latency + seconds_per_byte * bytes`` (one message each)."""
+    """Least-squares ``seconds = latency + seconds_per_byte * bytes``, per message or ring step."""
     n = len(points)
     mx = sum(x for x, _ in points) / n
     my = sum(y for _, y in points) / n
@@ -467,14 +457,14 @@ def fit_team_link(
     """
     from hyper_parallel_builtins.muon import MuonTeam
 
-    team, size = MuonTeam(MUON_GROUP, dtype), dtype.itemsize
-    name = str(dtype).removeprefix("torch.")
+    team, name = MuonTeam(MUON_GROUP, dtype), str(dtype).removeprefix("torch.")
     points = []
     for side, seconds in measured:
         shape = torch.Size((side, side))
         made = team.collectives(shape, 2)
-        steps = sum(2 if kind == "all_reduce" else 1 for kind, _ in made)
-        nbytes = sum(_collective_bytes(kind, n, 2) / 2 * size for kind, n in made)
+        # the model's own count: its ring steps (1 s each) and its bytes (1 s per byte)
+        steps, nbytes = (team_seconds(0.0, made, 2, dtype.itemsize, 1.0, unit)
+                         for unit in (LinkCost(1.0, 0.0), LinkCost(0.0, 1.0)))  # fmt: skip
         left = seconds - team.cost(shape, 2) / profile.matmul_rate(name, side)
         points.append((nbytes / steps, left / steps))
     return _fit(points)
