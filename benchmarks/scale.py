@@ -431,7 +431,7 @@ def _muon_step_seconds(shapes: Sequence[tuple[int, int]], transport: str) -> flo
 
 #: Sides of the square matrices whose Newton-Schulz, shared by both ranks, calibrates
 #: the link a team talks over (``node_link``).
-TEAM_SIDES = (128, 256, 512)
+TEAM_SIDES = (128, 192, 256, 384, 512)
 
 
 def _team_seconds(side: int, dtype: torch.dtype) -> float:
