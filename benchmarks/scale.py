@@ -399,7 +399,7 @@ def _trip_point(rows: int, transport: str) -> tuple[float, float]:
     (matrix,) = _sharded_matrices([(rows, 512)])
     trip = functools.partial(backend.map_blocks, lambda blocks: [b.clone() for b in blocks],
                              [matrix.detach()], [WholeMatrices()])  # fmt: skip
-    return rows * 512 // 2 * 4, fastest_seconds(trip) / 2
+    return rows * 512 // 2 * 4, fastest_seconds(trip, 2 * REPEATS) / 2  # cheap: more calls
 
 
 def _sharded_matrices(shapes: Sequence[tuple[int, int]]) -> list[Any]:
@@ -442,8 +442,8 @@ def _team_seconds(side: int, dtype: torch.dtype) -> float:
 
     team = MuonTeam(MUON_GROUP, dtype)
     half = torch.randn(side, side // 2)
-    return _cold_median(functools.partial(team, [half], [torch.Size((side, side))],
-                                          dist.group.WORLD))  # fmt: skip
+    run = functools.partial(team, [half], [torch.Size((side, side))], dist.group.WORLD)
+    return _cold_median(run, 2 * REPEATS)  # its waits vary more than compute does
 
 
 def fit_team_link(
@@ -508,7 +508,7 @@ def _ns_rate(shapes: Sequence[tuple[int, int]], dtype: torch.dtype, method: str)
 
         def orthogonalize(matrix: torch.Tensor = matrix) -> None:
             (result,) = newton_schulz_batched([matrix], coefficients, dtype=dtype, method=method)
-            result.reshape(matrix.shape).to(matrix.dtype)
+            result.reshape(matrix.shape).to(matrix.dtype, memory_format=torch.contiguous_format)
 
         seconds += _cold_median(orthogonalize)
         flops += newton_schulz_flops(rows, cols, NS_STEPS, method)
