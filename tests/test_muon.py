@@ -676,6 +676,26 @@ def test_large_matrices_iterate_one_by_one_with_the_same_result(
         assert bool(((singular > 0.6) & (singular < 1.3)).all()), singular
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_bf16_iterates_batched_where_the_cpu_multiplies_bf16_natively(
+    monkeypatch: pytest.MonkeyPatch, native_bf16: bool
+) -> None:
+    import hyper_parallel_builtins.newton_schulz as ns
+
+    monkeypatch.setattr(ns, "PER_MATRIX_FROM", 6)
+    monkeypatch.setattr(ns, "cpu_has_native_bf16", lambda: native_bf16)
+    calls = []
+    iterate_one = ns._iterate_one
+    monkeypatch.setattr(ns, "_iterate_one", lambda *a: calls.append(1) or iterate_one(*a))
+    stack = [torch.randn(2, 8, 12)]
+    coefficients = ns.resolve_coefficients("keller", 5)
+    ns.newton_schulz_batched(stack, coefficients, dtype=torch.bfloat16)
+    assert len(calls) == (0 if native_bf16 else 2)  # one batched GEMM per product, or one by one
+    calls.clear()
+    ns.newton_schulz_batched(stack, coefficients, dtype=torch.float32)
+    assert len(calls) == 2  # float32 goes one by one on any CPU
+
+
 def test_symmetric_product_equals_the_full_product_and_mirrors_the_upper_blocks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
