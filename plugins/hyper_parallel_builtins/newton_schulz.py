@@ -267,7 +267,7 @@ def _iterate_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Te
                 torch.mul(gram, b, out=poly)
             else:
                 torch.baddbmm(gram, gram, gram.mT, beta=b, alpha=c, out=poly)
-            torch.baddbmm(current, poly.mT, current, beta=a, out=nxt)
+            _update(current, poly, a, nxt)
             current, nxt = nxt, current
     # Every matrix took the same number of steps, so all results are in one stack.
     return spare if len(coefficients) % 2 else x
@@ -295,8 +295,26 @@ def _iterate_one(
         else:
             # gram is symmetric, so gram @ gram == gram @ gram.T
             _symmetric_product(poly, gram, add_to=gram, beta=b, alpha=c)
-        torch.addmm(current, poly.mT, current, beta=a, out=nxt)
+        _update(current, poly, a, nxt)
         current, nxt = nxt, current
+
+
+def _transposed(t: Tensor) -> bool:
+    """Whether ``t`` is the transposed view of a contiguous stack (a tall matrix's)."""
+    return t.mT.is_contiguous() and not t.is_contiguous()
+
+
+def _update(current: Tensor, poly: Tensor, a: float, out: Tensor) -> None:
+    """``out = a X + P X`` (``P`` symmetric), written in ``out``'s own layout.
+
+    For a transposed view the product is formed transposed, ``a X^T + X^T P``,
+    straight into the contiguous memory behind it: no transposing copy.
+    """
+    product = torch.addmm if current.dim() == 2 else torch.baddbmm
+    if _transposed(out):
+        product(current.mT, current.mT, poly.mT, beta=a, out=out.mT)
+    else:
+        product(current, poly.mT, current, beta=a, out=out)
 
 
 #: The ways to run the iteration (``method`` of :func:`newton_schulz_batched`).
@@ -419,7 +437,7 @@ def _q_times(q_t: Tensor, x: Tensor) -> Tensor:
     contiguous memory (on a CPU, adding a transposed update to a 2048 x 512
     param took 16x the time of a contiguous one).
     """
-    if x.mT.is_contiguous() and not x.is_contiguous():
+    if _transposed(x):
         return torch.bmm(x.mT, q_t).mT  # (X^T Q^T)^T
     return torch.bmm(q_t.mT, x)
 
@@ -503,22 +521,18 @@ def newton_schulz_batched(
     gram = resolve_ns_method(method, rows, cols, first.device) == "gram"
     stacks = [m.reshape(-1, rows, cols) for m in matrices]
     counts = [s.shape[0] for s in stacks]
-    # One copy does the stacking and the cast. The standard iteration wants a tall
-    # stack transposed in memory, so the copy transposes too; the Gram iteration
-    # reads the long side only in products, which take the transposed view as it is
-    # (on a CPU a transposing cast into bf16 took a quarter of a 1376 x 512 matrix's
-    # Gram iteration).
-    transpose = tall and not gram
-    x = torch.empty((sum(counts), cols, rows) if transpose else (sum(counts), rows, cols),
-                    dtype=dtype, device=first.device)  # fmt: skip
+    # One copy does the stacking and the cast. A tall stack iterates through its
+    # transposed view, and every product takes the view as it is and writes the
+    # stack's own layout: on a CPU a transposing cast into bf16 took a quarter of a
+    # 1376 x 512 matrix's Gram iteration, and a transposed result as much again to
+    # cast back and apply.
+    x = torch.empty((sum(counts), rows, cols), dtype=dtype, device=first.device)
     start = 0
     for stack, count in zip(stacks, counts, strict=True):
-        x[start : start + count].copy_(stack.mT if transpose else stack)
+        x[start : start + count].copy_(stack)
         start += count
-    if gram:
-        result = _iterate_gram_(x.mT if tall else x, coefficients, eps)
-    else:
-        result = _iterate_(x, coefficients, eps)
+    work = x.mT if tall else x
+    result = (_iterate_gram_ if gram else _iterate_)(work, coefficients, eps)
     if tall:
         result = result.mT
     out: list[Tensor] = []
