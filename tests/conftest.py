@@ -17,11 +17,12 @@ from torch import nn
 from hyper_parallel import get_registry
 from hyper_parallel.train.model import DecoderBlock, GPTConfig, TinyGPT
 from hyper_parallel.train.model import RMSNorm as RMSNorm  # for test_layouts
+from hyper_parallel_builtins.muon import NS_DTYPE_ENV
 
 # Muon iterates in float32 in every test, and in every process a test starts, unless the
 # test names its ns_dtype: by default a CPU with native bf16 matmul would iterate in
 # bfloat16, and the comparisons with float32 references would hold on some machines only.
-os.environ.setdefault("HYPER_PARALLEL_NS_DTYPE", "float32")
+os.environ.setdefault(NS_DTYPE_ENV, "float32")
 
 #: ``hyper-parallel train`` arguments for a model small enough for a test.
 TINY_TRAIN_ARGS = [
