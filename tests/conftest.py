@@ -119,7 +119,7 @@ def batch() -> torch.Tensor:
 @contextmanager
 def counting_newton_schulz() -> Iterator[list[int]]:
     """Record how many matrices each Newton-Schulz call of Muon gets on this process."""
-    import hyper_parallel_builtins.muon as muon_module
+    import hyper_parallel_builtins.muon._update as muon_module
 
     counted: list[int] = []
     real = muon_module.newton_schulz_batched

@@ -11,7 +11,7 @@ from torch import nn
 from hyper_parallel import AdamW, ChainedOptimizer, Muon, Sinkhorn
 
 BUILDERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
-    "muon": lambda ps: Muon(ps[:2], lr=0.02, head_dim=4),
+    "muon": lambda ps: Muon([{"params": ps[:2], "head_dim": 4}], lr=0.02),
     "muon_gram": lambda ps: Muon(ps[:2], lr=0.02, ns_method="gram"),
     "sinkhorn": lambda ps: Sinkhorn(ps[:2], lr=0.01),
     "chained": lambda ps: ChainedOptimizer(

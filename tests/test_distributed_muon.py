@@ -237,7 +237,7 @@ def _check_against_one_process(mesh: Any, rows: slice, label: str) -> None:
 
 def _check_teams(mesh: Any, rows: slice, sizes: tuple[int, ...], label: str) -> None:
     """Matrices shared by teams of ranks: one process's numbers, every rank computing."""
-    import hyper_parallel_builtins.muon as muon_module
+    import hyper_parallel_builtins.muon._update as muon_module
 
     torch.manual_seed(0)
     reference = TinyLM(qkv_bias=False)
@@ -403,7 +403,7 @@ def recording_exchanges(events: list[Any]) -> Iterator[None]:
 
 def _exchange_order(model: torch.nn.Module, *, overlap: bool) -> list[str]:
     """The order of this rank's exchanges and Newton-Schulz calls in one Muon step."""
-    import hyper_parallel_builtins.muon as muon_module
+    import hyper_parallel_builtins.muon._update as muon_module
     from hyper_parallel.core.optimizer import Muon
 
     events: list[str] = []

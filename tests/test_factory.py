@@ -43,7 +43,7 @@ def test_guide_form_builds_muon_and_adamw() -> None:
         adamw_kwargs={"lr": 3e-4, "weight_decay": 0.1},
     )
     assert isinstance(optimizer, ChainedOptimizer)
-    assert list(optimizer.optimizers) == ["muon", "adamw"]
+    assert list(optimizer.optimizers) == ["adamw", "muon"]  # HyperParallel's order
     assert isinstance(optimizer.optimizers["muon"], Muon)
     assert isinstance(optimizer.optimizers["adamw"], AdamW)
     assert opt_params(optimizer.optimizers["muon"]) == ids(muon)
@@ -147,7 +147,7 @@ def test_param_in_two_groups(model: nn.Module) -> None:
     muon, adamw = guide_split(model)
     with pytest.raises(
         ValueError,
-        match="Param 'layers.0.q_proj.weight' is in the groups of both 'muon' and 'adamw'",
+        match="Param 'layers.0.q_proj.weight' is in the groups of both 'adamw' and 'muon'",
     ):
         get_hyper_optimizer(model, muon, [*adamw, model.layers[0].q_proj.weight])
 

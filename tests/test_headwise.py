@@ -1,4 +1,8 @@
-"""Head-wise Muon (``head_dim``, ``split_rows``) against a float64 per-block reference."""
+"""Head-wise Muon (``head_dim``, ``split_rows`` group keys) against a float64 per-block reference.
+
+The reference is torch.optim.Muon's rule (``TORCH``); HyperParallel's ``head_wise`` keyword is
+tested in test_muon_hyper_parallel.py.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from test_muon import reference_muon, relative_error
 from hyper_parallel.core.optimizer import Muon, get_hyper_optimizer
 
 STEPS = 3
+TORCH = {"adjust_lr_fn": "original"}  # the convention of the float64 reference
 
 
 def _grads(shape: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:
@@ -52,7 +57,10 @@ def test_head_wise_equals_per_head_reference(
     start = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
     grads = _grads(shape)
     param = start.clone().requires_grad_()
-    opt = Muon([param], lr=0.02, head_dim=head_dim, matched_adamw_rms=rms)
+    convention = (
+        TORCH if rms is None else {"adjust_lr_fn": "match_rms_adamw", "matched_adamw_rms": rms}
+    )
+    opt = Muon([{"params": [param], "head_dim": head_dim}], lr=0.02, **convention)
     _train(opt, param, grads)
     expected = _per_block_reference(
         start, grads, [head_dim] * (shape[0] // head_dim), rms_target=rms
@@ -64,7 +72,7 @@ def test_head_wise_differs_from_whole_matrix_muon() -> None:
     start = torch.randn(32, 24)
     grads = _grads((32, 24))
     a, b = start.clone().requires_grad_(), start.clone().requires_grad_()
-    _train(Muon([a], lr=0.02, head_dim=8), a, grads)
+    _train(Muon([{"params": [a], "head_dim": 8}], lr=0.02), a, grads)
     _train(Muon([b], lr=0.02), b, grads)
     assert (a - b).abs().max() > 1e-3
 
@@ -80,7 +88,9 @@ def test_split_rows_equals_per_block_reference(
     start = torch.randn(32, 12, generator=torch.Generator().manual_seed(4))
     grads = _grads((32, 12))
     param = start.clone().requires_grad_()
-    opt = Muon([{"params": [param], "split_rows": split_rows, "head_dim": head_dim}], lr=0.02)
+    opt = Muon(
+        [{"params": [param], "split_rows": split_rows, "head_dim": head_dim}], lr=0.02, **TORCH
+    )
     _train(opt, param, grads)
     expected = _per_block_reference(start, grads, heights)
     assert relative_error(param.detach(), expected, start) < 1e-4
@@ -95,7 +105,7 @@ def test_head_wise_through_get_hyper_optimizer() -> None:
     optimizer = get_hyper_optimizer(
         model,
         muon_params=[{"params": [q], "head_dim": 4}, {"params": [o]}],
-        muon_kwargs={"lr": 0.02},
+        muon_kwargs={"lr": 0.02, **TORCH},
     )
     grads_q, grads_o = _grads((16, 12), 1), _grads((12, 16), 2)
     for gq, go in zip(grads_q, grads_o, strict=True):

@@ -223,7 +223,10 @@ def _nothing_param_sized_moves(model: nn.Module) -> None:
     embed, head = model.embed_tokens.weight, model.lm_head.weight
     heads = [p for n, p in model.named_parameters() if "q_proj" in n or "k_proj" in n]
     lm_loss(model, _batch()[:1]).backward()
-    sinkhorn, muon = Sinkhorn([embed, head], lr=0.01), Muon(heads, lr=0.02, head_dim=HEAD_DIM)
+    sinkhorn, muon = (
+        Sinkhorn([embed, head], lr=0.01),
+        Muon([{"params": heads, "head_dim": HEAD_DIM}], lr=0.02),
+    )
     sizes = {}
     for opt in (sinkhorn, muon):
         opt.step()  # the first step makes the plans

@@ -1,4 +1,5 @@
-"""Muon: torch.optim.Muon's update, N-D params, NS dtype, coefficient sets, errors."""
+"""Muon with torch.optim.Muon's keywords (torch's update, bitwise), N-D params, NS dtype,
+coefficient sets, errors. HyperParallel's convention: test_muon_hyper_parallel.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import hyper_parallel_builtins.muon as muon_module
+import hyper_parallel_builtins.muon._options as options_module
+import hyper_parallel_builtins.muon._update as muon_module
 from hyper_parallel import get_registry
 from hyper_parallel_builtins.muon import NS_DTYPE_ENV, Muon, default_ns_dtype
 from hyper_parallel_builtins.newton_schulz import (
@@ -118,7 +120,11 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "default": ({}, {}),
     "no_nesterov": ({"nesterov": False}, {"nesterov": False}),
     "match_rms_adamw": ({"adjust_lr_fn": "match_rms_adamw"}, {"rms_target": 0.2}),
-    "matched_adamw_rms": ({"matched_adamw_rms": 0.3}, {"rms_target": 0.3}),
+    "matched_adamw_rms": (
+        {"adjust_lr_fn": "match_rms_adamw", "matched_adamw_rms": 0.3},
+        {"rms_target": 0.3},
+    ),
+    "eps_alone": ({"adjust_lr_fn": None, "eps": 1e-7}, {}),
     "no_weight_decay": ({"weight_decay": 0.0}, {"weight_decay": 0.0}),
     "momentum_0.5": (
         {"momentum": 0.5, "ns_steps": 3},
@@ -139,7 +145,7 @@ def test_matches_float64_reference_of_torch_update_rule(
         [start],
         [[g] for g in grads],
         lr=0.02,
-        adjust_lr_fn=ours.pop("adjust_lr_fn", None if "matched_adamw_rms" in ours else "original"),
+        adjust_lr_fn=ours.pop("adjust_lr_fn", "original"),
         ns_dtype=torch.float32,
         matrix_view=view,
         **ours,
@@ -149,15 +155,34 @@ def test_matches_float64_reference_of_torch_update_rule(
     assert relative_error(result, expected, start) < 5e-5
 
 
-def test_matched_adamw_rms_0_2_is_match_rms_adamw() -> None:
+TORCH_KEYWORDS = [
+    {"adjust_lr_fn": "original"},
+    {"eps": 1e-7},
+    {"ns_coefficients": KELLER_COEFFICIENTS},
+    {"adjust_lr_fn": "original", "eps": 1e-7, "ns_coefficients": KELLER_COEFFICIENTS},
+]
+
+
+def test_each_torch_keyword_alone_gives_torch_rule_bitwise() -> None:
     params = [torch.randn(16, 32), torch.randn(40, 8)]
     grads = [[torch.randn_like(p) for p in params] for _ in range(2)]
-    by_name = run_muon(params, grads, lr=0.01, adjust_lr_fn="match_rms_adamw")
-    by_value = run_muon(params, grads, lr=0.01, matched_adamw_rms=0.2)
-    original = run_muon(params, grads, lr=0.01)
-    for a, b, c in zip(by_name, by_value, original, strict=True):
-        assert torch.equal(a, b)
-        assert not torch.allclose(a, c)
+    runs = [run_muon(params, grads, **keywords) for keywords in TORCH_KEYWORDS]
+    hyper_parallel = run_muon(params, grads, lr=1e-3)  # the same lr, HyperParallel's rule
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(runs[0], hyper_parallel, strict=True):
+        assert not torch.allclose(a, b)
+
+
+def test_match_rms_adamw_takes_matched_adamw_rms_as_its_target() -> None:
+    params = [torch.randn(16, 32)]
+    grads = [[torch.randn(16, 32)] for _ in range(2)]
+    torch_default = run_muon(params, grads, lr=0.01, adjust_lr_fn="match_rms_adamw")
+    spelled = run_muon(
+        params, grads, lr=0.01, adjust_lr_fn="match_rms_adamw", matched_adamw_rms=0.2
+    )
+    assert torch.equal(torch_default[0], spelled[0])
 
 
 def test_weight_decay_shrinks_params_by_one_minus_lr_times_decay() -> None:
@@ -178,14 +203,15 @@ def test_tensor_lr_gives_the_same_step_as_a_float() -> None:
 # -- drop-in for torch.optim.Muon ----------------------------------------------
 
 
-def test_accepts_every_torch_muon_argument_with_the_same_default() -> None:
+def test_accepts_every_torch_muon_keyword_and_takes_torchs_defaults_with_them() -> None:
     theirs = inspect.signature(torch.optim.Muon.__init__).parameters
     ours = inspect.signature(Muon.__init__).parameters
-    # Same positional order, so positional calls mean the same thing.
-    assert list(ours)[: len(theirs)] == list(theirs)
-    for name, param in theirs.items():
-        assert ours[name].default == param.default, name
-        assert ours[name].kind == param.kind, name
+    assert set(theirs) <= set(ours)
+    reference = torch.optim.Muon([torch.zeros(4, 4, requires_grad=True)]).param_groups[0]
+    for keywords in TORCH_KEYWORDS:
+        group = Muon([torch.zeros(4, 4, requires_grad=True)], **keywords).param_groups[0]
+        for name in ("lr", "weight_decay", "momentum", "nesterov", "ns_steps"):
+            assert group[name] == reference[name], (keywords, name)
 
 
 def test_matches_torch_muon_when_newton_schulz_runs_in_bfloat16() -> None:
@@ -194,7 +220,7 @@ def test_matches_torch_muon_when_newton_schulz_runs_in_bfloat16() -> None:
     starts = [torch.randn(*s) for s in shapes]
     ours = [p.clone().requires_grad_() for p in starts]
     theirs = [p.clone().requires_grad_() for p in starts]
-    opt_ours = Muon(ours, lr=0.02, ns_dtype=torch.bfloat16)
+    opt_ours = Muon(ours, lr=0.02, adjust_lr_fn="original", ns_dtype=torch.bfloat16)
     opt_theirs = torch.optim.Muon(theirs, lr=0.02)
     for _ in range(3):
         for a, b in zip(ours, theirs, strict=True):
@@ -265,7 +291,7 @@ def test_newton_schulz_dtype_and_params_keep_their_own(
     expected: torch.dtype,
 ) -> None:
     monkeypatch.delenv(NS_DTYPE_ENV)  # the machine's own default
-    monkeypatch.setattr(muon_module, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(options_module, "cpu_has_native_bf16", lambda: native_bf16)
     param = torch.randn(8, 16, dtype=param_dtype, requires_grad=True)
     opt = Muon([param], lr=0.02, ns_dtype=ns_dtype)
     param.grad = torch.randn_like(param)
@@ -280,7 +306,7 @@ def test_newton_schulz_dtype_and_params_keep_their_own(
 def test_default_ns_dtype_is_the_fastest_the_device_has(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(NS_DTYPE_ENV)
     for native_bf16, on_cpu in ((False, torch.float32), (True, torch.bfloat16)):
-        monkeypatch.setattr(muon_module, "cpu_has_native_bf16", lambda n=native_bf16: n)
+        monkeypatch.setattr(options_module, "cpu_has_native_bf16", lambda n=native_bf16: n)
         assert default_ns_dtype(torch.empty(4, 4)) == on_cpu
         assert default_ns_dtype(torch.empty(4, 4, dtype=torch.bfloat16)) == on_cpu
         assert default_ns_dtype(torch.empty(4, 4, device="meta")) == torch.bfloat16
@@ -293,7 +319,7 @@ def test_the_environment_names_the_default_ns_dtype_on_every_machine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for native_bf16 in (False, True):
-        monkeypatch.setattr(muon_module, "cpu_has_native_bf16", lambda n=native_bf16: n)
+        monkeypatch.setattr(options_module, "cpu_has_native_bf16", lambda n=native_bf16: n)
         monkeypatch.setenv(NS_DTYPE_ENV, "bfloat16")
         assert default_ns_dtype(torch.empty(4, 4)) == torch.bfloat16
         monkeypatch.setenv(NS_DTYPE_ENV, "float32")
@@ -316,9 +342,10 @@ def test_gram_equals_standard_within_1e_3_in_fp32(
     coefficients: str, shape: tuple[int, ...]
 ) -> None:
     spec: Any = coefficients
+    steps = 12 if coefficients == "cubic" else 5
     if coefficients == "per-step triples":
         spec = [(4.0, -4.5, 1.8), (3.4445, -4.7750, 2.0315), (2.0, -1.5, 0.5)]
-    steps = 12 if coefficients == "cubic" else 5
+        steps = 3
     triples = resolve_coefficients(spec, steps)
     g = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     standard = newton_schulz(g, triples, method="standard")
@@ -427,45 +454,49 @@ def test_polar_express_is_closer_to_the_polar_factor_than_keller(shape: tuple[in
     grad = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
     target = polar_factor(grad)
     keller = (one_step_update(grad) - target).norm() / target.norm()
-    polar = (one_step_update(grad, ns_coefficients="polar_express") - target).norm()
+    polar = (one_step_update(grad, ns_variant="polar_express") - target).norm()
     assert polar / target.norm() < keller / 2
     # With all 8 of its steps it is orthogonal to fp32 precision.
-    full = one_step_update(grad, ns_coefficients="polar_express", ns_steps=8)
+    full = one_step_update(grad, ns_variant="polar_express", ns_steps=8)
     torch.testing.assert_close(full, target, rtol=0, atol=1e-4)
 
 
 def test_cubic_with_many_steps_converges_to_the_polar_factor() -> None:
     grad = torch.randn(48, 48, generator=torch.Generator().manual_seed(4))
-    update = one_step_update(grad, ns_coefficients="cubic", ns_steps=40)
+    update = one_step_update(grad, ns_variant="cubic", ns_steps=40)
     torch.testing.assert_close(update, polar_factor(grad), rtol=0, atol=1e-4)
 
 
 def test_a_set_name_means_the_same_as_its_triples() -> None:
     grad = torch.randn(16, 24, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(one_step_update(grad, ns_coefficients="keller"), one_step_update(grad))
+    assert torch.equal(one_step_update(grad, ns_variant="legacy"), one_step_update(grad))
     assert torch.equal(
-        one_step_update(grad, ns_coefficients="Polar-Express"),
-        one_step_update(grad, ns_coefficients=COEFFICIENT_SETS["polar_express"]),
+        one_step_update(grad, ns_variant="polar_express"),
+        one_step_update(
+            grad, ns_variant="custom", ns_coefficients=COEFFICIENT_SETS["polar_express"][:5]
+        ),
     )
+    assert resolve_coefficients("Polar-Express", 3) == COEFFICIENT_SETS["polar_express"][:3]
 
 
-def test_per_iteration_coefficients_repeat_the_last_or_are_cut_to_ns_steps() -> None:
-    triples = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)]
-    assert resolve_coefficients(triples, 4) == ((3.0, -3.2, 1.2),) + ((2.0, -1.5, 0.5),) * 3
-    assert resolve_coefficients(triples, 1) == ((3.0, -3.2, 1.2),)
+def test_custom_coefficients_are_cut_to_ns_steps_and_one_triple_repeats() -> None:
+    triples = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5), (1.5, -0.5, 0.0)]
+    assert resolve_coefficients(triples, 2) == ((3.0, -3.2, 1.2), (2.0, -1.5, 0.5))
     assert resolve_coefficients((1.5, -0.5, 0.0), 2) == ((1.5, -0.5, 0.0),) * 2
     grad = torch.randn(8, 12, generator=torch.Generator().manual_seed(6))
-    expected = reference_orthogonalize(grad.double(), resolve_coefficients(triples, 4), 1e-7)
-    update = one_step_update(grad, ns_coefficients=triples, ns_steps=4)
+    expected = reference_orthogonalize(grad.double(), triples, 1e-7)
+    update = one_step_update(grad, ns_variant="custom", ns_coefficients=triples, ns_steps=3)
     torch.testing.assert_close(update, expected, rtol=0, atol=1e-5)
 
 
 def test_unknown_coefficient_set_names_it_and_lists_the_sets() -> None:
     with pytest.raises(ValueError, match="polar_expres") as info:
-        Muon([torch.zeros(4, 4, requires_grad=True)], ns_coefficients="polar_expres")
+        Muon([torch.zeros(4, 4, requires_grad=True)], ns_variant="polar_expres")
     message = str(info.value)
-    assert "Available: cubic, keller, polar_express." in message
+    assert "ns_variant must be 'legacy', 'asym5', or 'custom'" in message
     assert "Did you mean 'polar_express'?" in message
+    with pytest.raises(ValueError, match="Available: asym5, cubic, keller, legacy, polar_express"):
+        resolve_coefficients("polar_expres", 5)
 
 
 def test_newton_schulz_leaves_its_input_alone() -> None:
@@ -511,6 +542,7 @@ def test_group_options_are_per_group() -> None:
     opt = Muon(
         [{"params": [a]}, {"params": [b], "matrix_view": "flatten", "lr": 0.01}],
         lr=0.02,
+        adjust_lr_fn="original",
         ns_dtype=torch.float32,
     )
     for g in grads:
@@ -545,19 +577,28 @@ def test_add_param_group_refuses_a_vector_and_adds_nothing() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"lr": -1.0}, "Learning rate should be >= 0"),
+        ({"lr": -1.0}, "lr should be a finite number >= 0"),
         ({"lr": torch.tensor([0.1, 0.2])}, "1 element"),
-        ({"momentum": -0.1}, "momentum should be >= 0"),
-        ({"weight_decay": -0.1}, "weight decay should be >= 0"),
+        ({"momentum": -0.1}, "momentum should be a finite number >= 0"),
+        ({"momentum": (0.9, 0.95, 0.99)}, r"a float or a pair \(m1, m2\)"),
+        ({"momentum": (0.9, 0.95), "eps": 1e-7}, "has one momentum"),
+        ({"weight_decay": -0.1}, "weight_decay should be a finite number >= 0"),
         ({"eps": 0.0}, "eps should be > 0"),
         ({"ns_steps": 0}, r"ns_steps must be in 1\.\.99"),
         ({"ns_steps": 100}, r"ns_steps must be in 1\.\.99"),
         ({"adjust_lr_fn": "orignal"}, "Did you mean 'original'"),
-        ({"matched_adamw_rms": 0.2, "adjust_lr_fn": "original"}, "contradicts"),
-        ({"matched_adamw_rms": -0.2}, "matched_adamw_rms should be a float > 0"),
-        ({"matrix_view": "flat"}, "Unknown matrix_view 'flat'.*Did you mean 'flatten'"),
-        ({"ns_coefficients": (1.0, 2.0)}, r"triple \(a, b, c\)"),
-        ({"ns_coefficients": [(1.0, 2.0, 3.0), (1.0, 2.0)]}, r"ns_coefficients\[1\]"),
+        ({"matched_adamw_rms": -0.2}, "matched_adamw_rms should be a finite number >= 0"),
+        ({"matrix_view": "flat"}, "matrix_view must be one of.*Did you mean 'flatten'"),
+        ({"ns_coefficients": (1.0, 2.0)}, "can only be provided when ns_variant='custom'"),
+        ({"ns_coefficients": "keller"}, "ns_variant='keller'"),
+        (
+            {
+                "ns_variant": "custom",
+                "ns_steps": 2,
+                "ns_coefficients": [(1.0, 2.0, 3.0), (1.0, 2.0)],
+            },
+            r"ns_coefficients\[1\] must contain exactly three values",
+        ),
         ({"ns_dtype": torch.int32}, "floating-point torch.dtype"),
     ],
 )
@@ -567,7 +608,7 @@ def test_bad_hyperparameters_are_refused(kwargs: dict[str, Any], message: str) -
 
 
 def test_bad_group_option_is_refused_in_that_group() -> None:
-    with pytest.raises(ValueError, match="Unknown matrix_view 'stack'"):
+    with pytest.raises(ValueError, match="matrix_view must be one of .*got 'stack'"):
         Muon([{"params": [torch.zeros(2, 2, requires_grad=True)], "matrix_view": "stack"}])
 
 
@@ -588,7 +629,7 @@ def test_state_dict_round_trip_makes_the_identical_next_step() -> None:
     torch.manual_seed(0)
     shapes = [(16, 24), (2, 8, 12)]
     params = [torch.randn(*s, requires_grad=True) for s in shapes]
-    opt = Muon(params, lr=0.02, ns_coefficients="polar_express", ns_dtype=torch.float32)
+    opt = Muon(params, lr=0.02, ns_variant="polar_express", ns_dtype=torch.float32)
     for _ in range(2):
         for p in params:
             p.grad = torch.randn_like(p)

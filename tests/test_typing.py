@@ -23,12 +23,12 @@ from hyper_parallel import (
 )
 
 model = torch.nn.Linear(8, 8)
-muon: Muon = Muon([model.weight], lr=0.02, head_dim=4)
+muon: Muon = Muon([model.weight], lr=0.02, ns_variant="asym5", momentum=(0.9, 0.95))
 adamw: AdamW = AdamW([model.bias], lr=3e-4)
 sinkhorn: Sinkhorn = Sinkhorn([torch.nn.Parameter(torch.randn(4, 4))], lr=1e-3)
 chained = ChainedOptimizer({"muon": muon, "adamw": adamw})
 optimizer: ChainedOptimizer = get_hyper_optimizer(model, partitioner="by_shape")
-scheduler = get_hyper_lr_scheduler(optimizer, "cosine", total_steps=10, warmup_steps=1)
+scheduler = get_hyper_lr_scheduler(optimizer, scheduler_type="cosine", total_steps=10, warmup_steps=1)
 stepped: bool = step_if_finite(chained)
 mains: MainParams | None = get_hyper_optimizer(model, fp32_main_params=True).main_params
 """

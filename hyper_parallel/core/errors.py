@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __all__ = [
     "DuplicatePluginError",
+    "HyperParallelConfigError",
     "HyperParallelError",
     "HyperParallelImportError",
     "HyperParallelKeyError",
@@ -33,6 +34,15 @@ class HyperParallelValueError(HyperParallelError, ValueError):
 
 class HyperParallelTypeError(HyperParallelError, TypeError):
     """An argument has a type hyper_parallel cannot use."""
+
+
+class HyperParallelConfigError(HyperParallelValueError, HyperParallelTypeError):
+    """A configuration is malformed: both a ``ValueError`` and a ``TypeError``.
+
+    HyperParallel raises ``ValueError`` where torch-style code expects
+    ``TypeError`` (a dict where a list of groups belongs, mixed argument
+    forms); code written for either catches this.
+    """
 
 
 class HyperParallelRuntimeError(HyperParallelError, RuntimeError):

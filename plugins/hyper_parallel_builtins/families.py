@@ -2,118 +2,91 @@
 
 ``get_hyper_optimizer(model, muon={...}, sinkhorn={...}, adamw={...})``
 calls it through the registry with each enabled family's routing keys
-(``param_patterns``, ``param_groups``, ``head_wise``, ``head_dim``,
-``head_wise_patterns``); everything else in a family's dict is that
-optimizer's options and never reaches the partitioner.
+(``param_patterns``, ``param_groups``); everything else in a family's dict
+is that optimizer's options and never reaches the partitioner. A family
+left out, or ``None``, is off. The rules are HyperParallel's:
 
-Default routing, for each trainable param no pattern claims:
+* a param whose name one family's ``param_patterns`` matches goes to that
+  family (two families matching it is an error);
+* else: a norm's params go to ``adamw``; embeddings and the output head to
+  ``sinkhorn``, or ``adamw`` when ``sinkhorn`` is off; other params of two
+  or more dims to ``muon`` when it is on; everything else to ``adamw``;
+* a param whose family is off is an error, and so is a vector sent to a
+  matrix-only family (Muon, Sinkhorn);
+* ``adamw``'s params are split into a group with the configured weight
+  decay and one with ``weight_decay=0`` (biases, scales, vectors outside a
+  norm: :mod:`~hyper_parallel_builtins.param_roles`);
+* ``param_groups`` entries (``{"param_patterns": [...], <options>}``) then
+  give some of a family's own params options of their own; an entry that
+  selects none of them is an error.
 
-* ``nn.Embedding`` weights and the output head's weight (a module named
-  ``lm_head``, ``output`` or ``output_layer``, or ``model.get_output_embeddings()``)
-  go to ``sinkhorn``, or to ``adamw`` when that family is off;
-* params of normalization modules go to ``adamw``;
-* other params with two or more dims go to ``muon``, or to ``adamw`` when
-  that family is off;
-* everything else goes to ``adamw``.
-
-In ``adamw``, biases, params named ``scale``/``scales``/``scaling_factor``
-and 1-D or scalar params outside normalization modules get a group with
-``weight_decay=0``.
+Stricter than HyperParallel, deliberately: a ``param_patterns`` entry that
+matches no param of the model is an error, not a silent no-op.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core._suggest import did_you_mean
-from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
+from hyper_parallel.core.errors import (
+    HyperParallelConfigError,
+    HyperParallelTypeError,
+    HyperParallelValueError,
+)
 from hyper_parallel.core.plugin import PluginKind, RegisterFn, get_registry
-from hyper_parallel_builtins.partitioners import NORM_TYPES
+from hyper_parallel_builtins.param_roles import NamedParam, named_params, output_head_ids
 
-__all__ = [
-    "FAMILY_KEYS",
-    "HEAD_WISE_NAMES",
-    "NO_DECAY_NAMES",
-    "OUTPUT_HEAD_NAMES",
-    "by_family",
-    "is_norm_module",
-]
+__all__ = ["FAMILY_KEYS", "FAMILY_ORDER", "by_family"]
 
 #: The keys of a family dict that route params; the partitioner reads these and nothing else.
-FAMILY_KEYS: tuple[str, ...] = (
-    "param_patterns",
-    "param_groups",
-    "head_wise",
-    "head_dim",
-    "head_wise_patterns",
-)
+FAMILY_KEYS: tuple[str, ...] = ("param_patterns", "param_groups")
 
-#: Module names (last path component) whose ``weight`` is the output head.
-OUTPUT_HEAD_NAMES: tuple[str, ...] = ("lm_head", "output", "output_layer")
-
-#: Module names whose ``weight`` is made head-wise by ``head_wise=True``.
-HEAD_WISE_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "q_b_proj", "wq", "wk")
-
-#: Param names (last path component) that AdamW never decays, wherever they are.
-NO_DECAY_NAMES: tuple[str, ...] = ("bias", "scale", "scales", "scaling_factor")
+#: The families family configuration knows, in the order their optimizers are chained
+#: (HyperParallel's); any other registered optimizer gets only what its patterns select.
+FAMILY_ORDER: tuple[str, ...] = ("adamw", "muon", "sinkhorn")
 
 _MATRIX_FAMILY = "muon"
 _TOKEN_FAMILY = "sinkhorn"
 _FALLBACK_FAMILY = "adamw"
-_DEFAULT_ROUTES = (_MATRIX_FAMILY, _TOKEN_FAMILY, _FALLBACK_FAMILY)
-_DEFAULT_HEAD_WISE = r"(^|\.)(" + "|".join(HEAD_WISE_NAMES) + r")\.weight$"
 _MAX_NAMES_SHOWN = 5
-_GROUP_EXAMPLE = "{'param_patterns': ['embed_tokens'], 'lr': 0.01}"
-
-
-def is_norm_module(module: nn.Module) -> bool:
-    """Whether ``module`` is a normalization layer.
-
-    The ``torch.nn`` norms (LayerNorm, RMSNorm, GroupNorm, the BatchNorm and
-    InstanceNorm family) and any module whose class name ends in ``Norm``
-    (Hugging Face's ``LlamaRMSNorm``, ``T5LayerNorm``, ...).
-    """
-    return isinstance(module, NORM_TYPES) or type(module).__name__.endswith("Norm")
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Param:
-    """A param once (tied params by identity), with every name it has in the model."""
-
-    names: tuple[str, ...]
-    param: torch.Tensor
-    module: nn.Module
-    local: str
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
+_GROUP_EXAMPLE = "[{'param_patterns': ['embed_tokens'], 'lr': 0.01}]"
 
 
 @dataclass
-class _Group:
-    """A family's group: its options and the patterns that select its params (none: default)."""
+class _Selector:
+    """Compiled regular expressions, with how many params each matched (frozen ones too)."""
 
-    options: dict[str, Any]
+    where: str
     patterns: list[re.Pattern[str]]
     hits: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.hits = [0] * len(self.patterns)
+
+    def count(self, p: NamedParam) -> bool:
+        """Whether any pattern matches one of ``p``'s names; each that does counts a hit."""
+        matched = False
+        for k, pattern in enumerate(self.patterns):
+            if any(pattern.search(name) for name in p.names):
+                self.hits[k] += 1
+                matched = True
+        return matched
 
 
 @dataclass
 class _Family:
     name: str
-    groups: list[_Group]  # [0] is the family's own param_patterns, then its param_groups
-    head_wise: list[tuple[re.Pattern[str], int | None]]
-    head_dim: int | None
-    default_head_wise: bool
+    selector: _Selector  # its param_patterns
+    groups: list[tuple[_Selector, dict[str, Any]]]  # its param_groups
     matrix_only: bool
+    members: list[NamedParam] = field(default_factory=list)
 
 
 def _shown(names: Sequence[str]) -> str:
@@ -122,26 +95,13 @@ def _shown(names: Sequence[str]) -> str:
     return head + (f" and {more} more" if more > 0 else "")
 
 
-def _all_params(model: nn.Module) -> Iterator[_Param]:
-    """Every param once, frozen ones included, under its first name and module."""
-    names: dict[int, list[str]] = {}
-    owners: dict[int, tuple[nn.Module, str, torch.Tensor]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for local, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{local}" if module_name else local
-            names.setdefault(id(param), []).append(full)
-            owners.setdefault(id(param), (module, local, param))
-    for key, (module, local, param) in owners.items():
-        yield _Param(
-            names=tuple(dict.fromkeys(names[key])), param=param, module=module, local=local
-        )
-
-
 def _compile(patterns: Any, where: str) -> list[re.Pattern[str]]:
-    if isinstance(patterns, str) or not isinstance(patterns, Sequence):
+    """A regular expression or a list of them (HyperParallel takes one str as a list of one)."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if not isinstance(patterns, Sequence):
         raise HyperParallelTypeError(
-            f"{where} must be a list of regular expressions, got {patterns!r}; "
-            f"e.g. [{patterns!r}] for one."
+            f"{where} must be a list of regular expressions, got {patterns!r}."
         )
     compiled = []
     for pattern in patterns:
@@ -158,10 +118,31 @@ def _compile(patterns: Any, where: str) -> list[re.Pattern[str]]:
     return compiled
 
 
-def _positive_int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise HyperParallelValueError(f"{where} must be a positive int, got {value!r}.")
-    return value
+def _param_groups(name: str, raw: Any) -> list[tuple[_Selector, dict[str, Any]]]:
+    """A family's ``param_groups``: ``[{"param_patterns": [...], <options>}, ...]``."""
+    if isinstance(raw, Mapping) or not isinstance(raw, Sequence) or isinstance(raw, str):
+        raise HyperParallelConfigError(
+            f"Configured param_groups must be a list of mappings: {name}['param_groups'] is a "
+            f"{type(raw).__name__}; write {_GROUP_EXAMPLE}."
+        )
+    groups = []
+    for index, entry in enumerate(raw):
+        where = f"{name}['param_groups'][{index}]"
+        if not isinstance(entry, Mapping):
+            raise HyperParallelConfigError(
+                f"Each configured parameter group must be a mapping: {where} is a "
+                f"{type(entry).__name__} ({entry!r}); write {_GROUP_EXAMPLE}."
+            )
+        options = dict(entry)
+        patterns = options.pop("param_patterns", None)
+        if not patterns or "params" in options:
+            raise HyperParallelConfigError(
+                f"Configured param_groups require param_patterns and cannot contain runtime "
+                f"params: {where} has the keys {sorted(entry)}; select its params with "
+                f"'param_patterns' (regular expressions), e.g. {_GROUP_EXAMPLE}."
+            )
+        groups.append((_Selector(f"{where}['param_patterns']", _compile(patterns, where)), options))
+    return groups
 
 
 def _family(name: str, config: Mapping[str, Any]) -> _Family:
@@ -176,280 +157,176 @@ def _family(name: str, config: Mapping[str, Any]) -> _Family:
                 f"Unknown key {key!r} for family {name!r}.{did_you_mean(str(key), FAMILY_KEYS)} "
                 f"by_family reads: {', '.join(FAMILY_KEYS)}."
             )
-    groups = [_Group({}, _compile(config.get("param_patterns", []), f"{name}['param_patterns']"))]
-    raw_groups = config.get("param_groups", [])
-    if isinstance(raw_groups, Mapping) or not isinstance(raw_groups, Sequence):
-        raise HyperParallelTypeError(
-            f"{name}['param_groups'] must be a list of dicts, got {type(raw_groups).__name__}."
-        )
-    for index, raw in enumerate(raw_groups):
-        where = f"{name}['param_groups'][{index}]"
-        if not isinstance(raw, Mapping):
-            raise HyperParallelTypeError(
-                f"{where} must be a dict such as {_GROUP_EXAMPLE}, got {type(raw).__name__}."
-            )
-        if "params" in raw or "param_patterns" not in raw:
-            raise HyperParallelValueError(
-                f"{where} must select its params with 'param_patterns' (regular expressions), "
-                f"not 'params', e.g. {_GROUP_EXAMPLE}; got the keys {sorted(raw)}."
-            )
-        options = {k: v for k, v in raw.items() if k != "param_patterns"}
-        groups.append(
-            _Group(options, _compile(raw["param_patterns"], f"{where}['param_patterns']"))
-        )
-    for group in groups:
-        group.hits = [0] * len(group.patterns)
-    if name not in _DEFAULT_ROUTES and not any(g.patterns for g in groups):
+    where = f"{name}['param_patterns']"
+    selector = _Selector(where, _compile(config.get("param_patterns", []), where))
+    if name not in FAMILY_ORDER and not selector.patterns:
         raise HyperParallelValueError(
-            f"Family {name!r} selects no params: only {', '.join(_DEFAULT_ROUTES)} get params by "
+            f"Family {name!r} selects no params: only {', '.join(FAMILY_ORDER)} get params by "
             f"default; give {name}={{'param_patterns': [...]}}."
         )
-
-    head_dim = config.get("head_dim")
-    if head_dim is not None:
-        head_dim = _positive_int(head_dim, f"{name}['head_dim']")
-    raw_head_wise = config.get("head_wise_patterns")
-    head_wise_on = config.get("head_wise", raw_head_wise is not None)
-    if not isinstance(head_wise_on, bool):
-        raise HyperParallelTypeError(f"{name}['head_wise'] must be a bool, got {head_wise_on!r}.")
-    if raw_head_wise is not None and not head_wise_on:
-        raise HyperParallelValueError(
-            f"{name} has head_wise_patterns but head_wise=False; drop one of them."
-        )
-    head_wise: list[tuple[re.Pattern[str], int | None]] = []
-    if head_wise_on:
-        if raw_head_wise is None:
-            raw_head_wise = {_DEFAULT_HEAD_WISE: None}
-        if not isinstance(raw_head_wise, Mapping):
-            raise HyperParallelTypeError(
-                f"{name}['head_wise_patterns'] must be a dict {{regex: head_dim}} (head_dim may "
-                f"be None for the family's or model's), got {type(raw_head_wise).__name__}."
-            )
-        where = f"{name}['head_wise_patterns']"
-        for pattern, dim in raw_head_wise.items():
-            (compiled,) = _compile([pattern], where)
-            head_wise.append((compiled, None if dim is None else _positive_int(dim, where)))
+    entry = get_registry().get(PluginKind.OPTIMIZER, name)
     return _Family(
         name=name,
-        groups=groups,
-        head_wise=head_wise,
-        head_dim=head_dim,
-        default_head_wise=head_wise_on and "head_wise_patterns" not in config,
-        matrix_only=bool(
-            getattr(get_registry().get(PluginKind.OPTIMIZER, name).obj, "matrix_only", False)
-        ),
+        selector=selector,
+        groups=_param_groups(name, config.get("param_groups", [])),
+        matrix_only=bool(getattr(entry.obj, "matrix_only", False)),
     )
 
 
-def _config_head_dim(model: nn.Module) -> int | None:
-    """``model.config.head_dim``, else ``hidden_size // num_attention_heads`` (Hugging Face)."""
-    config = getattr(model, "config", None)
-    head_dim = getattr(config, "head_dim", None)
-    if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
-        return head_dim
-    hidden = getattr(config, "hidden_size", None)
-    heads = getattr(config, "num_attention_heads", None)
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
-        return hidden // heads
-    return None
-
-
-def _head_ids(model: nn.Module) -> set[int]:
-    """The output head's weight: modules named like a head, and ``get_output_embeddings()``."""
-    heads: set[int] = set()
-    for module_name, module in model.named_modules():
-        weight = dict(module.named_parameters(recurse=False)).get("weight")
-        if module_name.rsplit(".", 1)[-1] in OUTPUT_HEAD_NAMES and weight is not None:
-            heads.add(id(weight))
-    get_output_embeddings = getattr(model, "get_output_embeddings", None)
-    head = get_output_embeddings() if callable(get_output_embeddings) else None
-    weight = getattr(head, "weight", None) if isinstance(head, nn.Module) else None
-    if isinstance(weight, torch.Tensor):
-        heads.add(id(weight))
-    return heads
-
-
-def _claim(p: _Param, families: list[_Family]) -> tuple[_Family, int] | None:
-    """The family and group whose patterns select ``p``, or None; two is an error if it trains.
-
-    Every pattern that matches one of ``p``'s names counts a hit, frozen params included.
-    A matrix-only family (Muon, Sinkhorn) does not claim a param with fewer than two dims.
-    """
-    claims: list[tuple[_Family, int]] = []
-    for family in families:
-        matched = []
-        for index, group in enumerate(family.groups):
-            for k, pattern in enumerate(group.patterns):
-                if any(pattern.search(name) for name in p.names):
-                    group.hits[k] += 1
-                    matched.append(index)
-        if matched and not (family.matrix_only and p.param.ndim < 2):
-            given = sorted(set(matched) - {0})
-            if len(given) > 1 and p.param.requires_grad:
-                raise HyperParallelValueError(
-                    f"Param {p.name!r} matches the param_patterns of {family.name}['param_groups'] "
-                    f"entries {given[0] - 1} and {given[1] - 1}; make the patterns select each "
-                    "param once."
-                )
-            claims.append((family, given[0] if given else 0))
-    if len(claims) > 1 and p.param.requires_grad:
-        first, second = claims[0][0].name, claims[1][0].name
+def _route(p: NamedParam, heads: set[int], enabled: Mapping[str, _Family]) -> str:
+    """The family ``p`` belongs to: the one whose patterns select it, else by its role."""
+    chosen = [family.name for family in enabled.values() if family.selector.count(p)]
+    if len(chosen) > 1 and p.param.requires_grad:
         raise HyperParallelValueError(
-            f"Param {p.name!r} matches the param patterns of both families {first!r} and "
-            f"{second!r}; make the patterns select each param for one family."
+            f"Overlapping optimizer selectors for {list(p.names)}: the param_patterns of "
+            f"{', '.join(chosen)} all match it; make each family's patterns select it once."
         )
-    return claims[0] if claims else None
+    if chosen:
+        return chosen[0]
+    if p.norm:
+        return _FALLBACK_FAMILY
+    if p.embedding or id(p.param) in heads:
+        return _TOKEN_FAMILY if _TOKEN_FAMILY in enabled else _FALLBACK_FAMILY
+    if p.param.ndim >= 2 and _MATRIX_FAMILY in enabled:
+        return _MATRIX_FAMILY
+    return _FALLBACK_FAMILY
 
 
-def _default_family(p: _Param, heads: set[int], enabled: Mapping[str, _Family]) -> _Family | None:
-    if isinstance(p.module, (nn.Embedding, nn.EmbeddingBag)) or id(p.param) in heads:
-        wanted = _TOKEN_FAMILY
-    elif is_norm_module(p.module) or p.param.ndim < 2:
-        wanted = _FALLBACK_FAMILY
-    else:
-        wanted = _MATRIX_FAMILY
-    return enabled.get(wanted) or enabled.get(_FALLBACK_FAMILY)
-
-
-def _check_patterns_matched(families: list[_Family]) -> None:
+def _check_patterns_matched(families: Sequence[_Family]) -> None:
     for family in families:
-        for index, group in enumerate(family.groups):
-            where = (
-                f"{family.name}['param_patterns']"
-                if index == 0
-                else f"{family.name}['param_groups'][{index - 1}]['param_patterns']"
-            )
-            for pattern, hits in zip(group.patterns, group.hits, strict=True):
-                if not hits:
-                    raise HyperParallelValueError(
-                        f"{where} entry {pattern.pattern!r} matches no param of the model; fix the "
-                        "regular expression (it is searched in full param names such as "
-                        "'model.layers.0.self_attn.q_proj.weight') or remove it."
-                    )
-
-
-def _head_dims(model: nn.Module, family: _Family, params: list[_Param]) -> dict[int, int]:
-    """id(param) -> head_dim for the family's params its head-wise patterns select."""
-    if not family.head_wise:
-        return {}
-    fallback = family.head_dim or _config_head_dim(model)
-    out: dict[int, int] = {}
-    for pattern, dim in family.head_wise:
-        selected = [
-            p for p in params if p.param.ndim >= 2 and any(pattern.search(n) for n in p.names)
-        ]
-        if not selected:
-            if family.default_head_wise:
+        selector = family.selector
+        for pattern, hits in zip(selector.patterns, selector.hits, strict=True):
+            if not hits:
                 raise HyperParallelValueError(
-                    f"{family.name}={{'head_wise': True}} found no q/k projection weight among "
-                    f"the family's params (names ending in {', '.join(HEAD_WISE_NAMES)} + "
-                    "'.weight'); name them with head_wise_patterns={regex: head_dim}."
+                    f"{selector.where} entry {pattern.pattern!r} matches no param of the model; "
+                    "fix the regular expression (it is searched in full param names such as "
+                    "'model.layers.0.self_attn.q_proj.weight') or remove it."
                 )
-            raise HyperParallelValueError(
-                f"{family.name}['head_wise_patterns'] entry {pattern.pattern!r} matches no "
-                f"param of family {family.name!r} with 2 or more dims; fix or remove it."
+
+
+def _base_groups(family: _Family) -> list[dict[str, Any]]:
+    """The family's groups before ``param_groups``: adamw's decayed and undecayed, else one."""
+    if family.name != _FALLBACK_FAMILY:
+        return [{"params": family.members}] if family.members else []
+    decay = [p for p in family.members if not p.no_decay]
+    exempt = [p for p in family.members if p.no_decay]
+    groups: list[dict[str, Any]] = [{"params": decay}] if decay else []
+    if exempt:
+        groups.append({"params": exempt, "weight_decay": 0.0})
+    return groups
+
+
+def _groups(
+    family: _Family, params: Sequence[NamedParam], owner: Mapping[int, str]
+) -> list[dict[str, Any]]:
+    """The family's param-group dicts, its ``param_groups`` entries splitting its base groups.
+
+    ``params`` are the model's and ``owner`` their families, for the error
+    about an entry that selects none of this family's params.
+    """
+    out: list[dict[str, Any]] = []
+    for base in _base_groups(family):
+        parts: dict[int | None, list[NamedParam]] = {}
+        for p in base["params"]:
+            matched = [k for k, (selector, _) in enumerate(family.groups) if selector.count(p)]
+            if len(matched) > 1:
+                raise HyperParallelValueError(
+                    f"Overlapping param_groups for {list(p.names)}: {family.name}['param_groups'] "
+                    f"entries {matched[0]} and {matched[1]} both select it; select each param once."
+                )
+            parts.setdefault(matched[0] if matched else None, []).append(p)
+        for index, members in parts.items():
+            options = family.groups[index][1] if index is not None else {}
+            out.append({**base, **options, "params": [p.param for p in members]})
+    for selector, _ in family.groups:
+        if not any(selector.hits):
+            others = sorted(
+                {owner[id(p.param)] for p in params if id(p.param) in owner and selector.count(p)}
             )
-        if dim is None and fallback is None:
-            raise HyperParallelValueError(
-                f"{family.name} is head-wise but has no head_dim: give "
-                f"{family.name}={{'head_wise': True, 'head_dim': ...}}, a head_dim per "
-                "head_wise_patterns entry, or a model whose config has head_dim (or hidden_size "
-                "and num_attention_heads)."
+            hint = (
+                f" it selects params of {', '.join(others)}; param_groups refine a family's own "
+                f"params: move the entry there, or route the params with param_patterns."
+                if others
+                else " fix its regular expressions."
             )
-        for p in selected:
-            out.setdefault(id(p.param), dim or fallback or 0)
-    return out
-
-
-def _no_decay(p: _Param) -> bool:
-    if p.local in NO_DECAY_NAMES:
-        return True
-    return p.param.ndim < 2 and not is_norm_module(p.module)
-
-
-def _groups(model: nn.Module, family: _Family, members: list[tuple[_Param, int]]) -> list[Any]:
-    """The family's param-group dicts: its groups, split by head_dim and, in adamw, by decay."""
-    head_dims = _head_dims(model, family, [p for p, _ in members])
-    buckets: dict[tuple[int, int, bool], list[torch.Tensor]] = {}
-    for p, index in members:
-        no_decay = family.name == _FALLBACK_FAMILY and _no_decay(p)
-        key = (index, head_dims.get(id(p.param), 0), no_decay)
-        buckets.setdefault(key, []).append(p.param)
-    out: list[Any] = []
-    for (index, head_dim, no_decay), params in sorted(buckets.items(), key=lambda kv: kv[0]):
-        group: dict[str, Any] = {"params": params}
-        if head_dim:
-            group["head_dim"] = head_dim
-        group.update(family.groups[index].options)
-        if no_decay:
-            group["weight_decay"] = 0.0
-        out.append(group)
+            raise HyperParallelValueError(
+                f"Configured param_groups match no parameters in their optimizer family: "
+                f"{selector.where} selects none of {family.name}'s params;{hint}"
+            )
     return out
 
 
 def by_family(
     model: nn.Module, *, families: Mapping[str, Mapping[str, Any] | None] | None = None
 ) -> dict[str, list[Any]]:
-    """Route each trainable param to one optimizer family.
+    """Route each trainable param to one optimizer family (HyperParallel's rules).
 
     Args:
         model: The model to partition.
         families: The enabled families, by optimizer name, each with its
-            routing keys: ``param_patterns`` (regular expressions searched in
-            full param names; a matching param goes to this family whatever
-            the default routing says), ``param_groups`` (``[{"param_patterns":
-            [...], <group options>}, ...]``: matching params go to this family
-            in a group of their own), ``head_wise``, ``head_dim`` and
-            ``head_wise_patterns`` (``{regex: head_dim or None}``). A family
-            that is missing or ``None`` is off; left out altogether, the
-            families are ``muon``, ``sinkhorn`` and ``adamw`` with no routing
-            keys. A matrix-only family (Muon, Sinkhorn) never gets a param
-            with fewer than two dims: its patterns leave such a param to the
-            default routing.
+            routing keys: ``param_patterns`` (a regular expression or a list
+            of them, searched in every name of a param; a match sends the
+            param to this family whatever its role) and ``param_groups``
+            (``[{"param_patterns": [...], <group options>}, ...]``: some of
+            this family's own params in groups of their own). A family that
+            is missing or ``None`` is off; left out altogether, the families
+            are ``adamw``, ``muon`` and ``sinkhorn`` with no routing keys.
 
     Returns:
         ``{family: [param-group dicts]}`` for every enabled family (an empty
-        list when it gets no params). Frozen params are left out; a tied
-        param appears once.
+        list when it gets no params), ``adamw``, ``muon``, ``sinkhorn`` first.
+        Frozen params are left out; a tied param appears once; params keep
+        the model's order within each group.
 
     Raises:
-        ValueError: a pattern that matches no param, a param matched by two
-            families, a trainable param in no family, or a head-wise family
-            with no head_dim to be found.
+        ValueError: a param two families' patterns select, a trainable param
+            whose family is off, a vector sent to a matrix-only family, a
+            ``param_patterns`` entry that matches no param, or a
+            ``param_groups`` entry that selects none of its family's params.
         TypeError: a family dict with an unknown key or a key of the wrong type.
+        HyperParallelConfigError: a malformed ``param_groups`` (both a
+            ``TypeError`` and a ``ValueError``).
     """
     if not isinstance(model, nn.Module):
         raise HyperParallelTypeError(f"by_family needs an nn.Module, got {type(model).__name__}.")
     if families is None:
-        families = {name: {} for name in _DEFAULT_ROUTES}
+        families = {name: {} for name in FAMILY_ORDER}
     if not isinstance(families, Mapping):
         raise HyperParallelTypeError(
             f"by_family needs families={{name: dict}}, got {type(families).__name__}."
         )
-    enabled = {name: _family(name, cfg) for name, cfg in families.items() if cfg is not None}
-    heads = _head_ids(model)
-    members: dict[str, list[tuple[_Param, int]]] = {name: [] for name in enabled}
+    order = [*FAMILY_ORDER, *(n for n in families if n not in FAMILY_ORDER)]
+    enabled = {
+        name: _family(name, config) for name in order if (config := families.get(name)) is not None
+    }
+    params = list(named_params(model))
+    heads = output_head_ids(model, params)
     homeless: list[str] = []
-    family: _Family | None
-    for p in _all_params(model):
-        claim = _claim(p, list(enabled.values()))
+    for p in params:
+        name = _route(p, heads, enabled)
         if not p.param.requires_grad:
             continue
-        family, index = claim if claim else (_default_family(p, heads, enabled), 0)
+        family = enabled.get(name)
         if family is None:
             homeless.append(p.name)
+        elif family.matrix_only and p.param.ndim < 2:
+            raise HyperParallelValueError(
+                f"{name} requires matrix parameters, got {p.name} of shape "
+                f"{tuple(p.param.shape)}; leave it to adamw (drop the pattern that selects it)."
+            )
         else:
-            members[family.name].append((p, index))
+            family.members.append(p)
     _check_patterns_matched(list(enabled.values()))
     if homeless:
         raise HyperParallelValueError(
-            f"{len(homeless)} trainable param(s) belong to no optimizer family: "
-            f"{_shown(homeless)}. "
+            f"No enabled optimizer owns trainable parameter {homeless[0]}"
+            f"{f' (nor {len(homeless) - 1} more: {_shown(homeless[1:])})' if len(homeless) > 1 else ''}. "
             f"Norms, biases and other 1-D params go to {_FALLBACK_FAMILY!r}; turn it on "
             f"({_FALLBACK_FAMILY}={{}}), give another family param_patterns that match them, or "
             "freeze them (requires_grad=False)."
         )
-    return {name: _groups(model, enabled[name], members[name]) for name in enabled}
+    owner = {id(p.param): f.name for f in enabled.values() for p in f.members}
+    return {name: _groups(family, params, owner) for name, family in enabled.items()}
 
 
 @hookimpl
@@ -458,6 +335,6 @@ def hyper_parallel_register_partitioners(register: RegisterFn) -> None:
     register(
         "by_family",
         by_family,
-        description="family configuration: embeddings and head to Sinkhorn, matrices to Muon, "
-        "the rest to AdamW; patterns override",
+        description="family configuration: norms to AdamW, embeddings and head to Sinkhorn, "
+        "matrices to Muon, the rest to AdamW; patterns override",
     )

@@ -290,6 +290,21 @@ class FSDPBackend(ShardingBackend):
         self._team_size_origin = "team_size" if team_size is not None else TEAM_SIZE_ENV
         self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._teams: dict[tuple[int, int], ProcessGroup] = {}  # (size, first rank): its group
+        self.replica_group_size: int | None = None
+        self._replica_groups: dict[tuple[DeviceMesh, int], ProcessGroup] = {}
+
+    def group_replicas(self, size: int) -> None:
+        """Share the work among groups of ``size`` replicas only (on a 2-D ``(replicate, shard)`` mesh).
+
+        Each group of ``size`` consecutive replicas computes every matrix once
+        and shares the results among its own ranks; other groups do the
+        same, so no collective leaves a group (keep a group within a node).
+        ``size`` must divide the replicate dim; at least its size is one group.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise HyperParallelValueError(f"hsdp_replica_count must be positive, got {size!r}.")
+        self.replica_group_size = size
+        self._plans.clear()
 
     def accepts(self, params: Sequence[torch.Tensor]) -> bool:
         return any(is_dtensor(p) for p in params) and all(_supported(p) for p in params)
@@ -362,6 +377,7 @@ class FSDPBackend(ShardingBackend):
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = _make_plan(
+                self._exchange_group(dts),
                 [tensors[i] for i in indices],
                 [needs[i] for i in indices],
                 cost,
@@ -369,6 +385,31 @@ class FSDPBackend(ShardingBackend):
                 self._teams,
             )
         return plan
+
+    def _exchange_group(self, tensors: Sequence[DTensor]) -> ProcessGroup:
+        """The ranks that share these params' work: the mesh's, or this rank's group of replicas."""
+        mesh = tensors[0].device_mesh
+        size = self.replica_group_size
+        if size is None or mesh.ndim != 2 or size >= mesh.size(0):
+            return exchange_group(mesh)
+        replicas = mesh.size(0)
+        if replicas % size:
+            raise HyperParallelValueError(
+                f"hsdp_replica_count {size} must evenly divide the replicate dim of the mesh "
+                f"({replicas} replicas); choose a divisor of {replicas}."
+            )
+        for t in tensors:
+            if not t.placements[0].is_replicate():
+                raise HyperParallelValueError(
+                    f"hsdp_replica_count={size} groups the replicas of an HSDP (replicate, shard) "
+                    f"mesh, but a param of shape {tuple(t.shape)} has placements {t.placements}; "
+                    "leave hsdp_replica_count unset for this layout."
+                )
+        if (mesh, size) not in self._replica_groups:
+            blocks = [mesh.mesh[r : r + size].flatten().tolist() for r in range(0, replicas, size)]
+            mine, _ = dist.new_subgroups_by_enumeration(blocks)
+            self._replica_groups[mesh, size] = mine
+        return self._replica_groups[mesh, size]
 
 
 class HSDPBackend(FSDPBackend):
@@ -431,13 +472,13 @@ def _team_size_option(value: int | str | None) -> int | str:
 
 
 def _make_plan(
+    group: ProcessGroup,
     tensors: list[torch.Tensor],
     needs: list[Need],
     cost: Callable[[torch.Size], float] | None,
     options: _Options,
     teams: dict[tuple[int, int], ProcessGroup],
 ) -> _Plan:
-    group = exchange_group(cast("DTensor", tensors[0]).device_mesh)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     layouts = gather_layouts(tensors, group)
     in_place = tuple(

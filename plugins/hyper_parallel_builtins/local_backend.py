@@ -55,6 +55,9 @@ class LocalBackend(ShardingBackend):
             )
         return module
 
+    def group_replicas(self, size: int) -> None:
+        """Nothing to group: one process holds no replicas (any ``hsdp_replica_count`` holds)."""
+
     def map_blocks(
         self,
         fn: BlocksFn,
@@ -75,6 +78,8 @@ class DDPBackend(LocalBackend):
 
     name: ClassVar[str] = "ddp"
     auto_detect: ClassVar[bool] = False
+
+    group_replicas = ShardingBackend.group_replicas  # replicas here are every rank: not grouped
 
     def map_blocks(
         self,

@@ -10,11 +10,16 @@ towards 1, so the result approaches the polar factor ``U V^T`` of
 A *coefficient set* is the sequence of ``(a, b, c)`` used at each iteration.
 :data:`COEFFICIENT_SETS` holds the named ones; :func:`resolve_coefficients`
 turns any accepted spelling into exactly ``ns_steps`` triples.
+
+Each matrix is first divided by its Frobenius norm and an ``eps``, by one of
+two rules: ``max(||X||, eps)`` (``torch.optim.Muon``) or ``||X|| + eps``
+(HyperParallel's ``ns_epsilon``); ``eps_added`` picks the second.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -32,7 +37,9 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
+    "ASYM5_COEFFICIENTS",
     "COEFFICIENT_SETS",
+    "FIXED_LENGTH_SETS",
     "GRAM_FIRST_RESTART",
     "GRAM_MIN_ASPECT",
     "GRAM_MIN_ASPECT_CPU_LARGE",
@@ -45,6 +52,8 @@ __all__ = [
     "SYMMETRIC_BLOCK_ROWS",
     "CoefficientSpec",
     "Coefficients",
+    "custom_coefficients",
+    "is_triple",
     "newton_schulz",
     "newton_schulz_batched",
     "newton_schulz_flops",
@@ -67,6 +76,16 @@ KELLER_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic: the steepest slope at zero that still keeps every
 singular value within roughly ``[0.7, 1.2]`` after five steps. The default of
 ``torch.optim.Muon``."""
+
+ASYM5_COEFFICIENTS: tuple[Coefficients, ...] = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+"""A different triple for each of five iterations (the set Dion published): HyperParallel's
+default (``ns_variant="asym5"``). It defines exactly five iterations."""
 
 # Amsel, Persson, Musco & Gower, "The Polar Express" (arXiv 2505.16932): the
 # degree-5 polynomial optimal for each iteration in turn.
@@ -95,13 +114,19 @@ def _with_safety_factor(
 
 COEFFICIENT_SETS: Mapping[str, tuple[Coefficients, ...]] = MappingProxyType(
     {
+        "asym5": ASYM5_COEFFICIENTS,
         "keller": (KELLER_COEFFICIENTS,),
+        "legacy": (KELLER_COEFFICIENTS,),  # HyperParallel's name for Keller's triple
         "polar_express": _with_safety_factor(_POLAR_EXPRESS_RAW, 1.01),
         # Classic cubic Newton-Schulz: slower, but converges to U V^T itself.
         "cubic": ((1.5, -0.5, 0.0),),
     }
 )
-"""Named coefficient sets. A set shorter than ``ns_steps`` repeats its last triple."""
+"""Named coefficient sets. A set shorter than ``ns_steps`` repeats its last triple,
+except those in :data:`FIXED_LENGTH_SETS`."""
+
+FIXED_LENGTH_SETS: frozenset[str] = frozenset({"asym5"})
+"""Sets tuned as a whole for their own number of iterations: ``ns_steps`` may not exceed it."""
 
 
 def _is_real(value: object) -> bool:
@@ -111,14 +136,59 @@ def _is_real(value: object) -> bool:
 def _as_triple(value: object, where: str) -> Coefficients:
     if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 3:
         raise HyperParallelValueError(
-            f"{where} must be a triple (a, b, c) of floats, got {value!r}."
+            f"{where} must contain exactly three values (a, b, c), got {value!r}."
         )
     if not all(_is_real(v) for v in value):
         raise HyperParallelValueError(
-            f"{where} must be a triple (a, b, c) of floats, got {value!r}."
+            f"{where} must contain exactly three values (a, b, c) that are floats, got {value!r}."
         )
     a, b, c = (float(v) for v in value)
+    if not all(math.isfinite(v) for v in (a, b, c)):
+        raise HyperParallelValueError(f"{where} must contain only finite values, got {value!r}.")
     return (a, b, c)
+
+
+def is_triple(spec: object) -> bool:
+    """Whether ``spec`` is one ``(a, b, c)`` (three numbers), as ``torch.optim.Muon`` takes it."""
+    return (
+        not isinstance(spec, str)
+        and isinstance(spec, Sequence)
+        and len(spec) == 3
+        and all(_is_real(v) for v in spec)
+    )
+
+
+def _check_ns_steps(ns_steps: object) -> int:
+    if not isinstance(ns_steps, int) or isinstance(ns_steps, bool):
+        raise HyperParallelValueError(f"ns_steps must be an int, got {ns_steps!r}.")
+    if not 1 <= ns_steps <= MAX_NS_STEPS:
+        raise HyperParallelValueError(f"ns_steps must be in 1..{MAX_NS_STEPS}, got {ns_steps}.")
+    return ns_steps
+
+
+def custom_coefficients(spec: object, ns_steps: int) -> tuple[Coefficients, ...]:
+    """One triple per iteration, given by the caller: the first ``ns_steps`` of ``spec``.
+
+    HyperParallel's ``ns_variant="custom"``: ``spec`` is a non-empty
+    sequence of at least ``ns_steps`` triples of finite floats.
+
+    Raises:
+        ValueError: an empty or short sequence, or a malformed or non-finite
+            triple (named by its index).
+    """
+    _check_ns_steps(ns_steps)
+    if isinstance(spec, str) or not isinstance(spec, Sequence) or not spec:
+        raise HyperParallelValueError(
+            "ns_coefficients must be provided as a non-empty sequence of (a, b, c) triples, one "
+            f"per iteration, got {spec!r}."
+        )
+    if ns_steps > len(spec):
+        raise HyperParallelValueError(
+            f"ns_steps={ns_steps} exceeds the {len(spec)} provided coefficient groups; give one "
+            f"(a, b, c) per iteration, or lower ns_steps to {len(spec)}."
+        )
+    triples = tuple(_as_triple(t, f"ns_coefficients[{i}]") for i, t in enumerate(spec))
+    return triples[:ns_steps]
 
 
 def resolve_coefficients(spec: CoefficientSpec, ns_steps: int) -> tuple[Coefficients, ...]:
@@ -126,38 +196,36 @@ def resolve_coefficients(spec: CoefficientSpec, ns_steps: int) -> tuple[Coeffici
 
     Args:
         spec: A name in :data:`COEFFICIENT_SETS` (case-insensitive, ``-`` read
-            as ``_``); one triple, used at every iteration; or a sequence of
-            triples, one per iteration: when shorter than ``ns_steps`` its
-            last triple repeats, when longer only the first ``ns_steps`` are
-            used.
+            as ``_``), whose last triple repeats when it is shorter than
+            ``ns_steps`` (a set in :data:`FIXED_LENGTH_SETS` does not: more
+            steps than it has are an error); one triple, used at every
+            iteration (``torch.optim.Muon``'s form); or a sequence of at
+            least ``ns_steps`` triples, of which the first ``ns_steps`` are
+            used (:func:`custom_coefficients`).
         ns_steps: Number of iterations, ``1 <= ns_steps <= 99``.
 
     Raises:
         ValueError: an unknown set name (the message lists the sets), a
-            malformed triple, or ``ns_steps`` out of range.
+            malformed, non-finite or short sequence, or ``ns_steps`` out of
+            range.
     """
-    if not isinstance(ns_steps, int) or isinstance(ns_steps, bool):
-        raise HyperParallelValueError(f"ns_steps must be an int, got {ns_steps!r}.")
-    if not 1 <= ns_steps <= MAX_NS_STEPS:
-        raise HyperParallelValueError(f"ns_steps must be in 1..{MAX_NS_STEPS}, got {ns_steps}.")
-    if isinstance(spec, str):
-        key = spec.strip().lower().replace("-", "_")
-        if key not in COEFFICIENT_SETS:
-            raise HyperParallelValueError(
-                f"Unknown Newton-Schulz coefficient set {spec!r}. Available: "
-                f"{', '.join(sorted(COEFFICIENT_SETS))}.{did_you_mean(key, COEFFICIENT_SETS)} "
-                "Or pass a triple (a, b, c), or a sequence of triples (one per iteration)."
-            )
-        triples = COEFFICIENT_SETS[key]
-    elif isinstance(spec, Sequence) and len(spec) > 0 and all(_is_real(v) for v in spec):
-        triples = (_as_triple(spec, "ns_coefficients"),)
-    elif isinstance(spec, Sequence) and len(spec) > 0:
-        triples = tuple(_as_triple(t, f"ns_coefficients[{i}]") for i, t in enumerate(spec))
-    else:
+    _check_ns_steps(ns_steps)
+    if is_triple(spec):
+        return (_as_triple(spec, "ns_coefficients"),) * ns_steps
+    if not isinstance(spec, str):
+        return custom_coefficients(spec, ns_steps)
+    key = spec.strip().lower().replace("-", "_")
+    if key not in COEFFICIENT_SETS:
         raise HyperParallelValueError(
-            "ns_coefficients must be a coefficient-set name "
-            f"({', '.join(sorted(COEFFICIENT_SETS))}), a triple (a, b, c), or a non-empty "
-            f"sequence of triples; got {spec!r}."
+            f"Unknown Newton-Schulz coefficient set {spec!r}. Available: "
+            f"{', '.join(sorted(COEFFICIENT_SETS))}.{did_you_mean(key, COEFFICIENT_SETS)}"
+        )
+    triples = COEFFICIENT_SETS[key]
+    if key in FIXED_LENGTH_SETS and ns_steps > len(triples):
+        raise HyperParallelValueError(
+            f"The {key!r} coefficients define {len(triples)} iterations, but ns_steps={ns_steps}; "
+            f"lower ns_steps to {len(triples)} or fewer, or choose a set that repeats its last "
+            "triple ('legacy', 'polar_express')."
         )
     if len(triples) >= ns_steps:
         return triples[:ns_steps]
@@ -216,6 +284,11 @@ def _symmetric_product(
     return out
 
 
+def _norm_divisor(norms: Tensor, eps: float, eps_added: bool) -> Tensor:
+    """What each matrix is divided by first: ``norm + eps`` or ``max(norm, eps)``, in place."""
+    return norms.add_(eps) if eps_added else norms.clamp_min_(eps)
+
+
 def _per_matrix(x: Tensor) -> bool:
     """Whether the stack ``x`` iterates matrix by matrix (:data:`PER_MATRIX_FROM`).
 
@@ -231,7 +304,9 @@ def _per_matrix(x: Tensor) -> bool:
     return not (x.dtype == torch.bfloat16 and cpu_has_native_bf16())
 
 
-def _iterate_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Tensor:
+def _iterate_(
+    x: Tensor, coefficients: Sequence[Coefficients], eps: float, eps_added: bool
+) -> Tensor:
     """Run the iteration on ``x`` of shape (batch, rows, cols), ``rows <= cols``.
 
     ``x`` must be a tensor the caller owns: it is normalised in place and
@@ -248,7 +323,7 @@ def _iterate_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Te
     8 matrices of 256 x 1024.
     """
     # The Gram matrix is rows x rows, so rows <= cols keeps it the small one.
-    x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps))
+    x.div_(_norm_divisor(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), eps, eps_added))
     batch, rows, _ = x.shape
     spare = torch.empty_like(x)
     if _per_matrix(x):
@@ -377,7 +452,9 @@ GRAM_FIRST_RESTART = 2
 GRAM_RESTART_EVERY = 3
 
 
-def _iterate_gram_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) -> Tensor:
+def _iterate_gram_(
+    x: Tensor, coefficients: Sequence[Coefficients], eps: float, eps_added: bool
+) -> Tensor:
     """:func:`_iterate_` on the Gram matrix: the long side is touched only at restarts.
 
     Every step multiplies ``X`` on the left by ``P = a I + b R + c R^2`` with
@@ -395,7 +472,7 @@ def _iterate_gram_(x: Tensor, coefficients: Sequence[Coefficients], eps: float) 
     products. The result is a new stack laid out as ``x`` (or ``x`` itself
     after no steps).
     """
-    x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp_min_(eps))
+    x.div_(_norm_divisor(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), eps, eps_added))
     gram = torch.bmm(x, x.mT)
     poly, q_t, spare = torch.empty_like(gram), torch.empty_like(gram), torch.empty_like(gram)
     identity = True  # Q is the identity (not stored): no step need multiply by it
@@ -456,6 +533,7 @@ def newton_schulz_batched(
     coefficients: Sequence[Coefficients],
     *,
     eps: float = 1e-7,
+    eps_added: bool = False,
     dtype: torch.dtype | None = None,
     method: str = "standard",
 ) -> list[Tensor]:
@@ -464,7 +542,8 @@ def newton_schulz_batched(
     Every tensor has shape ``(..., m, n)`` with the same ``(m, n)`` and
     device; leading dims are batches of independent matrices. They are
     copied (and cast) once into a single ``(B, m, n)`` stack, each matrix is
-    divided by its own Frobenius norm (clamped at ``eps``), and each
+    divided by its own Frobenius norm (clamped at ``eps``, or plus ``eps``
+    with ``eps_added``), and each
     ``(a, b, c)`` of ``coefficients`` is one step ``A = X X^T;
     X = a X + (b A + c A A) X`` on the whole stack (on ``X^T`` when
     ``m > n``, so ``A`` is the smaller Gram matrix).
@@ -474,6 +553,7 @@ def newton_schulz_batched(
         coefficients: One ``(a, b, c)`` per iteration (see
             :func:`resolve_coefficients`).
         eps: Lower bound on the norm divided by, so a zero matrix stays zero.
+        eps_added: Divide by ``norm + eps`` instead (HyperParallel's rule).
         dtype: The dtype to iterate and return in; default the first
             matrix's.
         method: ``"standard"``, ``"gram"`` (iterate on the Gram matrix,
@@ -526,7 +606,7 @@ def newton_schulz_batched(
         x[start : start + count].copy_(stack)
         start += count
     work = x.mT if tall else x
-    result = (_iterate_gram_ if gram else _iterate_)(work, coefficients, eps)
+    result = (_iterate_gram_ if gram else _iterate_)(work, coefficients, eps, eps_added)
     if tall:
         result = result.mT
     out: list[Tensor] = []
@@ -542,6 +622,7 @@ def newton_schulz(
     coefficients: Sequence[Coefficients],
     *,
     eps: float = 1e-7,
+    eps_added: bool = False,
     dtype: torch.dtype | None = None,
     method: str = "standard",
 ) -> Tensor:
@@ -553,7 +634,9 @@ def newton_schulz(
         >>> torch.allclose(o.mT @ o, torch.eye(32), atol=1e-4)
         True
     """
-    return newton_schulz_batched([matrix], coefficients, eps=eps, dtype=dtype, method=method)[0]
+    return newton_schulz_batched(
+        [matrix], coefficients, eps=eps, eps_added=eps_added, dtype=dtype, method=method
+    )[0]
 
 
 def _band(size: int, parts: int, part: int) -> tuple[int, int]:
@@ -567,6 +650,7 @@ def newton_schulz_team(
     group: ProcessGroup,
     *,
     eps: float = 1e-7,
+    eps_added: bool = False,
     dtype: torch.dtype | None = None,
 ) -> list[Tensor]:
     """The standard iteration on column slices, shared by the ranks of ``group``.
@@ -593,7 +677,7 @@ def newton_schulz_team(
     wide = torch.promote_types(dtype, torch.float32)
     squares = torch.cat([x.to(wide).square().sum((-2, -1)) for x in xs])
     dist.all_reduce(squares, group=group)
-    norms = squares.sqrt_().clamp_min_(eps).split([x.shape[0] for x in xs])
+    norms = _norm_divisor(squares.sqrt_(), eps, eps_added).split([x.shape[0] for x in xs])
     for x, norm in zip(xs, norms, strict=True):
         x.div_(norm.to(dtype).view(-1, 1, 1))
     for a, b, c in coefficients:

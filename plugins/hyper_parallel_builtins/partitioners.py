@@ -3,14 +3,14 @@
 A partitioner decides which optimizer gets each trainable param:
 ``fn(model, **options) -> {"muon": [...], "adamw": [...]}``. Values are
 lists of params or param-group dicts. Tied params appear once; frozen params
-are left out.
+are left out. What a norm, an embedding, the head and an undecayed param
+are is :mod:`~hyper_parallel_builtins.param_roles`'s one definition.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,15 +19,24 @@ from torch import nn
 from hyper_parallel import hookimpl
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.plugin import RegisterFn
+from hyper_parallel_builtins.param_roles import (
+    OUTPUT_HEAD_NAMES,
+    NamedParam,
+    named_params,
+    output_head_ids,
+)
 
-__all__ = [
-    "DEFAULT_HEAD_NAMES",
-    "DEFAULT_MUON_KEYS",
-    "NORM_TYPES",
-    "by_module",
-    "by_name",
-    "by_shape",
-]
+__all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_MUON_KEYS", "by_module", "by_name", "by_shape"]
+
+#: Module names ``by_shape`` and ``by_module`` take for the output head: HyperParallel's
+#: (:data:`~hyper_parallel_builtins.param_roles.OUTPUT_HEAD_NAMES`) and classifiers'.
+DEFAULT_HEAD_NAMES: tuple[str, ...] = (
+    *OUTPUT_HEAD_NAMES,
+    "head",
+    "classifier",
+    "fc_out",
+    "score",
+)
 
 #: The projection names the user guide sends to Muon.
 DEFAULT_MUON_KEYS: tuple[str, ...] = (
@@ -40,70 +49,10 @@ DEFAULT_MUON_KEYS: tuple[str, ...] = (
     "down_proj",
 )
 
-#: Module names (last path component) taken to be the output head.
-DEFAULT_HEAD_NAMES: tuple[str, ...] = (
-    "lm_head",
-    "output",
-    "output_layer",
-    "head",
-    "classifier",
-    "fc_out",
-    "score",
-)
 
-#: Normalization layers torch ships (other libraries' are recognized by class name).
-NORM_TYPES: tuple[type[nn.Module], ...] = (
-    nn.LayerNorm,
-    nn.RMSNorm,
-    nn.GroupNorm,
-    nn.LocalResponseNorm,
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    nn.SyncBatchNorm,
-    nn.InstanceNorm1d,
-    nn.InstanceNorm2d,
-    nn.InstanceNorm3d,
-)
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Param:
-    name: str
-    param: torch.Tensor
-    module: nn.Module
-    module_name: str
-
-
-def _trainable(model: nn.Module) -> Iterator[_Param]:
-    """Each trainable param once (tied params under their first name), with its module."""
-    seen: set[int] = set()
-    for module_name, module in model.named_modules():
-        for local_name, param in module.named_parameters(recurse=False):
-            if id(param) in seen or not param.requires_grad:
-                continue
-            seen.add(id(param))
-            full = f"{module_name}.{local_name}" if module_name else local_name
-            yield _Param(name=full, param=param, module=module, module_name=module_name)
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, NORM_TYPES) or "norm" in type(module).__name__.lower()
-
-
-def _head_ids(model: nn.Module, head_names: Sequence[str]) -> set[int]:
-    """Params of the output head: modules named like a head, or the last Linear onto the vocab."""
-    heads: set[int] = set()
-    vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
-    last_vocab_linear: nn.Linear | None = None
-    for module_name, module in model.named_modules():
-        if module_name and module_name.rsplit(".", 1)[-1] in head_names:
-            heads.update(id(p) for p in module.parameters())
-        if isinstance(module, nn.Linear) and module.out_features in vocab_sizes:
-            last_vocab_linear = module
-    if last_vocab_linear is not None:
-        heads.update(id(p) for p in last_vocab_linear.parameters())
-    return heads
+def _trainable(model: nn.Module) -> Iterator[NamedParam]:
+    """Each trainable param once (tied params under their first name), in the model's order."""
+    return (p for p in named_params(model) if p.param.requires_grad)
 
 
 def _check_options(model: nn.Module, matrix_optimizer: str, fallback_optimizer: str) -> None:
@@ -126,14 +75,14 @@ def _check_options(model: nn.Module, matrix_optimizer: str, fallback_optimizer: 
 
 def _partition(
     model: nn.Module,
-    to_matrix_optimizer: Callable[[_Param], bool],
+    to_matrix_optimizer: Callable[[NamedParam], bool],
     matrix_optimizer: str,
     fallback_optimizer: str,
     no_decay: bool,
 ) -> dict[str, list[Any]]:
     """Each trainable param to the matrix optimizer if the predicate says so, else the fallback."""
     matrices: list[torch.Tensor] = []
-    rest: list[_Param] = []
+    rest: list[NamedParam] = []
     for p in _trainable(model):
         if to_matrix_optimizer(p):
             matrices.append(p.param)
@@ -142,12 +91,13 @@ def _partition(
     return {matrix_optimizer: matrices, fallback_optimizer: _split_decay(rest, no_decay)}
 
 
-def _split_decay(params: list[_Param], no_decay: bool) -> list[dict[str, Any]]:
-    """The fallback optimizer's groups: decayed, and (optionally) biases/norms without decay."""
+def _split_decay(params: list[NamedParam], no_decay: bool) -> list[dict[str, Any]]:
+    """The fallback optimizer's groups: decayed, and (optionally) biases, scales and vectors
+    outside norms without decay (:mod:`~hyper_parallel_builtins.param_roles`)."""
     if not no_decay:
         return [{"params": [p.param for p in params]}] if params else []
-    decay = [p.param for p in params if p.param.ndim >= 2 and not _is_norm(p.module)]
-    exempt = [p.param for p in params if p.param.ndim < 2 or _is_norm(p.module)]
+    decay = [p.param for p in params if not p.no_decay]
+    exempt = [p.param for p in params if p.no_decay]
     groups: list[dict[str, Any]] = []
     if decay:
         groups.append({"params": decay})
@@ -174,7 +124,8 @@ def by_name(
             used instead of ``keys``.
         matrix_optimizer: Optimizer name for the selected matrices.
         fallback_optimizer: Optimizer name for everything else.
-        no_decay: Put biases, norms and 1-D params in a group with ``weight_decay=0``.
+        no_decay: Put biases, scales and 1-D params outside norms in a group
+            with ``weight_decay=0``.
 
     A selected param with fewer than two dims (``q_proj.bias``) goes to the
     fallback optimizer: Muon only updates matrices.
@@ -221,24 +172,19 @@ def by_shape(
 
     Args:
         model: The model to partition.
-        head_names: Module names taken to be the output head (the last
-            ``nn.Linear`` whose outputs match an embedding's vocabulary is a
-            head too).
+        head_names: Module names whose ``weight`` is the output head
+            (``model.get_output_embeddings()``, and the last ``nn.Linear``
+            onto an embedding's vocabulary, are too).
         matrix_optimizer: Optimizer name for hidden matrices.
         fallback_optimizer: Optimizer name for everything else.
-        no_decay: Give biases, norms and 1-D params their own group with
-            ``weight_decay=0``.
+        no_decay: Give biases, scales and 1-D params outside norms their own
+            group with ``weight_decay=0``; norm weights decay.
     """
     _check_options(model, matrix_optimizer, fallback_optimizer)
-    heads = _head_ids(model, head_names)
+    heads = output_head_ids(model, named_params(model), head_names, vocab_linear=True)
 
-    def hidden_matrix(p: _Param) -> bool:
-        return (
-            p.param.ndim >= 2
-            and not isinstance(p.module, (nn.Embedding, nn.EmbeddingBag))
-            and id(p.param) not in heads
-            and not _is_norm(p.module)
-        )
+    def hidden_matrix(p: NamedParam) -> bool:
+        return p.param.ndim >= 2 and not (p.embedding or p.norm or id(p.param) in heads)
 
     return _partition(model, hidden_matrix, matrix_optimizer, fallback_optimizer, no_decay)
 
@@ -258,13 +204,13 @@ def by_module(
         head_names: Module names taken to be the output head (see :func:`by_shape`).
         matrix_optimizer: Optimizer name for Linear weights.
         fallback_optimizer: Optimizer name for everything else.
-        no_decay: Give biases, norms and 1-D params their own group with
-            ``weight_decay=0``.
+        no_decay: Give biases, scales and 1-D params outside norms their own
+            group with ``weight_decay=0``.
     """
     _check_options(model, matrix_optimizer, fallback_optimizer)
-    heads = _head_ids(model, head_names)
+    heads = output_head_ids(model, named_params(model), head_names, vocab_linear=True)
 
-    def linear_weight(p: _Param) -> bool:
+    def linear_weight(p: NamedParam) -> bool:
         return (
             isinstance(p.module, nn.Linear)
             and p.param is p.module.weight

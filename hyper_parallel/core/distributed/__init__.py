@@ -15,7 +15,7 @@ from hyper_parallel.core.distributed._backend import (
     TeamTransform,
     resolve_backend,
 )
-from hyper_parallel.core.distributed._needs import Need, RowBlocks, WholeMatrices
+from hyper_parallel.core.distributed._needs import Blocks, Need, RowBlocks, WholeMatrices
 from hyper_parallel.core.distributed.toolkit import Reducer
 
 if TYPE_CHECKING:
@@ -35,6 +35,7 @@ LAZY: dict[str, str] = {
 
 __all__ = [
     "SHARDING_ENV",
+    "Blocks",
     "BlocksFn",
     "GroupBackends",
     "Need",

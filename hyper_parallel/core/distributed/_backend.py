@@ -30,7 +30,9 @@ __all__ = [
     "resolve_backend",
 ]
 
-#: Maps whole blocks (plain tensors) to results of the same shapes.
+#: Maps whole blocks (plain tensors) to results of the same shapes. Backends built on
+#: :func:`~hyper_parallel.core.distributed.toolkit.map_held_blocks` hand the list as
+#: :class:`~hyper_parallel.core.distributed.Blocks`, with each block's need ``key``.
 BlocksFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 #: Makes the tensors at the given positions of a ``map_prepared_blocks`` call.
@@ -175,6 +177,20 @@ class ShardingBackend(abc.ABC):
         """
         return self.map_blocks(fn, prepare(list(range(len(layouts)))), needs, cost=cost)
 
+    def group_replicas(self, size: int) -> None:
+        """Share an optimizer's work among groups of ``size`` replicas only (``hsdp_replica_count``).
+
+        Each group computes every block and shares the results within
+        itself, so no collective crosses groups. A backend whose params have
+        no replicas accepts any size; this default, for a backend that
+        cannot group them, raises ``ValueError``.
+        """
+        raise HyperParallelValueError(
+            f"The {self.name!r} sharding backend cannot share work among groups of replicas "
+            f"(hsdp_replica_count={size}); leave hsdp_replica_count unset, or use the 'hsdp' "
+            "backend."
+        )
+
     def map_reductions(
         self, fn: ReductionsFn, tensors: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
@@ -267,11 +283,14 @@ class GroupBackends:
     the optimizer is built) and again only when the group's params or its
     ``sharding`` option change, never on a plain ``step()``. The group's
     ``sharding`` option wins; without one, ``$HYPER_PARALLEL_SHARDING`` as it
-    was when this object was made; without that, detection.
+    was when this object was made; without that, detection. With
+    ``replica_group_size``, each backend is told to share work only among
+    groups of that many replicas (:meth:`ShardingBackend.group_replicas`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, replica_group_size: int | None = None) -> None:
         self._default = os.environ.get(SHARDING_ENV) or None
+        self.replica_group_size = replica_group_size
         self._resolved: dict[int, tuple[tuple[int, ...], str | None, ShardingBackend]] = {}
 
     def __call__(self, group: Mapping[str, Any]) -> ShardingBackend:
@@ -283,9 +302,15 @@ class GroupBackends:
             return cached[2]
         origin = "sharding" if group.get("sharding") else SHARDING_ENV
         backend = resolve_backend(name, params, origin=origin)
+        if self.replica_group_size is not None:
+            backend.group_replicas(self.replica_group_size)
         self._resolved[id(group)] = (key, name, backend)
         return backend
 
     def __getstate__(self) -> dict[str, Any]:
         # Backends may hold process groups and plans; a copy resolves its own.
-        return {"_default": self._default, "_resolved": {}}
+        return {
+            "_default": self._default,
+            "replica_group_size": self.replica_group_size,
+            "_resolved": {},
+        }

@@ -15,12 +15,15 @@ that and the param's placements:
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import TypeAlias
 
+import torch
+
 from hyper_parallel.core.errors import HyperParallelValueError
 
-__all__ = ["Need", "RowBlocks", "WholeMatrices"]
+__all__ = ["Blocks", "Need", "RowBlocks", "WholeMatrices"]
 
 
 @dataclass(frozen=True)
@@ -31,9 +34,13 @@ class WholeMatrices:
         batch_dims: Leading dims whose slices are independent matrices (1 for
             an ``(experts, rows, cols)`` stack). A param split only along
             them needs no communication.
+        key: Handed back with each of the param's blocks (:class:`Blocks`
+            ``.keys``), so the transform knows whose block it has, e.g. to
+            look up a per-param setting; ``None`` when it need not know.
     """
 
     batch_dims: int = 0
+    key: Hashable = None
 
     def __post_init__(self) -> None:
         if self.batch_dims < 0:
@@ -51,10 +58,12 @@ class RowBlocks:
             column-wise shards) needs no communication.
         batch_dims: Leading dims whose slices are independent, as in
             :class:`WholeMatrices`.
+        key: As in :class:`WholeMatrices`.
     """
 
     heights: tuple[int, ...]
     batch_dims: int = 0
+    key: Hashable = None
 
     def __post_init__(self) -> None:
         if not self.heights or any(h <= 0 for h in self.heights):
@@ -67,3 +76,20 @@ class RowBlocks:
 
 Need: TypeAlias = WholeMatrices | RowBlocks
 """What a transform needs of one param."""
+
+
+class Blocks(list):  # type: ignore[type-arg]
+    """The whole blocks a :data:`BlocksFn` is called with: a list, plus each block's key.
+
+    ``keys[i]`` is the ``key`` of the :data:`Need` of the param that block
+    ``i`` belongs to (the blocks of one param share it). A transform that
+    needs no keys reads it as a plain list.
+    """
+
+    def __init__(self, blocks: Iterable[torch.Tensor] = (), keys: Iterable[Hashable] = ()) -> None:
+        super().__init__(blocks)
+        self.keys: tuple[Hashable, ...] = tuple(keys)
+        if len(self.keys) != len(self):
+            raise HyperParallelValueError(
+                f"Blocks got {len(self)} blocks but {len(self.keys)} keys; give one key per block."
+            )

@@ -40,7 +40,7 @@ from hyper_parallel.core.distributed._dtensor import (
     shard_like,
     split_dim,
 )
-from hyper_parallel.core.distributed._needs import Need, RowBlocks
+from hyper_parallel.core.distributed._needs import Blocks, Need, RowBlocks
 from hyper_parallel.core.errors import HyperParallelValueError
 
 if TYPE_CHECKING:
@@ -273,13 +273,19 @@ def map_held_blocks(
 ) -> list[torch.Tensor]:
     """``fn`` once on all the whole blocks these tensors hold; each result joined and cast back.
 
+    ``fn`` gets them as :class:`Blocks`, each with its need's ``key``.
+
     ``tensors`` are plain (local) tensors, each laid out as its layout, which
     holds whole blocks (:func:`blocks_in_place`).
     """
     split = [split_blocks(t, lay, n) for t, lay, n in zip(tensors, layouts, needs, strict=True)]
     if not split:
         return []
-    results = iter(fn([b for blocks in split for b in blocks]))
+    keyed = Blocks(
+        [b for blocks in split for b in blocks],
+        [n.key for n, blocks in zip(needs, split, strict=True) for _ in blocks],
+    )
+    results = iter(fn(keyed))
     return [
         join_blocks([next(results) for _ in blocks], n).to(t.dtype)
         for t, n, blocks in zip(tensors, needs, split, strict=True)

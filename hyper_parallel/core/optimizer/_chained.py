@@ -156,11 +156,12 @@ class ChainedOptimizer(Optimizer):
         # Unlike torch's Optimizer, a copy (deepcopy, pickle) keeps the hooks: a hook
         # that counts steps or logs lrs would otherwise stop silently in the copy.
         hooks = {name: getattr(self, name) for name in _HOOK_DICTS}
-        names = [self._name_of(p) for p in self._params()]
+        held = {id(param): param for param in map(self._model_param, self._params())}
+        names = [(held[key], name) for key, name in self._names.items() if key in held]
         return {
             "optimizers": self.optimizers,
             "hooks": hooks,
-            "names": names,
+            "names": names,  # (model param, name) in the model's order
             "main_params": self.main_params,
         }
 
@@ -168,9 +169,8 @@ class ChainedOptimizer(Optimizer):
         self.__init__(state["optimizers"], main_params=state.get("main_params"))  # type: ignore[misc]
         for name, hooks in state.get("hooks", {}).items():
             getattr(self, name).update(hooks)
-        for param, param_name in zip(self._params(), state.get("names", ()), strict=False):
-            if param_name is not None:
-                self._names[id(self._model_param(param))] = param_name
+        for param, param_name in state.get("names", ()):
+            self._names[id(param)] = param_name
 
     def _params(self, name: str | None = None) -> Iterator[torch.Tensor]:
         for opt_name, opt in self.optimizers.items():
@@ -199,19 +199,21 @@ class ChainedOptimizer(Optimizer):
 
     @property
     def param_names_by_optimizer(self) -> dict[str, list[str]]:
-        """``{sub-optimizer name: [names of its params]}``, in group order, each param once.
+        """``{sub-optimizer name: [names of its params]}``, in the model's order, each param once.
 
-        Names come from ``param_names`` (which ``get_hyper_optimizer`` gives),
-        else from a group's own ``"param_names"`` (torch's named param
-        groups).
+        Names come from ``param_names`` (which ``get_hyper_optimizer`` gives,
+        in ``model.named_parameters()`` order), else from a group's own
+        ``"param_names"`` (torch's named param groups), which follow the
+        named ones in group order.
 
         Raises:
             ValueError: a param has no known name; pass
                 ``param_names=model.named_parameters()``.
         """
+        order = {pid: i for i, pid in enumerate(self._names)}
         out: dict[str, list[str]] = {}
         for opt_name, opt in self.optimizers.items():
-            names: list[str] = []
+            named: list[tuple[int, str]] = []
             for group in opt.param_groups:
                 own = group.get("param_names") or [None] * len(group["params"])
                 for param, own_name in zip(group["params"], own, strict=True):
@@ -222,9 +224,29 @@ class ChainedOptimizer(Optimizer):
                             "no name; build the chain with "
                             "ChainedOptimizer(..., param_names=model.named_parameters())."
                         )
-                    names.append(param_name)
-            out[opt_name] = names
+                    rank = order.get(id(self._model_param(param)), len(order) + len(named))
+                    named.append((rank, param_name))
+            out[opt_name] = [name for _, name in sorted(named)]
         return out
+
+    @property
+    def optimizers_dict(self) -> dict[str, Optimizer]:
+        """HyperParallel's name for :attr:`optimizers`: the sub-optimizers by name."""
+        return self.optimizers
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The one sub-optimizer of a chain that has one (HyperParallel's ``.optimizer``).
+
+        Raises:
+            ValueError: the chain has more than one; pick one from :attr:`optimizers`.
+        """
+        if len(self.optimizers) != 1:
+            raise HyperParallelValueError(
+                f"ChainedOptimizer has more than one optimizer ({', '.join(self.optimizers)}); "
+                "pick one with optimizer.optimizers[name]."
+            )
+        return next(iter(self.optimizers.values()))
 
     def __repr__(self) -> str:
         inner = "\n".join(

@@ -20,7 +20,11 @@ from hyper_parallel.core._suggest import (
     did_you_mean,
 )
 from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
-from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
+from hyper_parallel.core.errors import (
+    HyperParallelConfigError,
+    HyperParallelTypeError,
+    HyperParallelValueError,
+)
 from hyper_parallel.core.optimizer._chained import ChainedOptimizer
 from hyper_parallel.core.optimizer._main_params import MainParams
 from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry, normalize_name
@@ -30,16 +34,15 @@ __all__ = ["get_hyper_optimizer"]
 #: Where params with fewer than two dims go when a matrix-only optimizer (Muon) is given them.
 FALLBACK_OPTIMIZER = "adamw"
 
-#: Family configuration: the families on unless set to None, in the order they are chained.
-DEFAULT_FAMILIES: tuple[str, ...] = ("muon", "sinkhorn", "adamw")
+#: The optimizers of the guide's explicit form (``<name>_params``, ``<name>_kwargs``), in the
+#: order they are chained (HyperParallel's).
+EXPLICIT_FORM: tuple[str, ...] = ("adamw", "muon", "sinkhorn")
 
 #: The partitioner that routes params in family configuration.
 FAMILY_PARTITIONER = "by_family"
 
 #: Keys of a family dict that route params (given to the partitioner); the rest are options.
-FAMILY_ROUTING_KEYS: frozenset[str] = frozenset(
-    {"param_patterns", "param_groups", "head_wise", "head_dim", "head_wise_patterns"}
-)
+FAMILY_ROUTING_KEYS: frozenset[str] = frozenset({"param_patterns", "param_groups"})
 
 _MAX_NAMES_SHOWN = 5
 
@@ -133,6 +136,8 @@ def get_hyper_optimizer(
     muon_kwargs: Mapping[str, Any] | None = None,
     adamw_kwargs: Mapping[str, Any] | None = None,
     *,
+    sinkhorn_params: Iterable[Any] | None = None,
+    sinkhorn_kwargs: Mapping[str, Any] | None = None,
     optimizers: Mapping[str, Mapping[str, Any]] | None = None,
     partitioner: str | None = None,
     partitioner_kwargs: Mapping[str, Any] | None = None,
@@ -145,22 +150,27 @@ def get_hyper_optimizer(
     Four ways to say which params go where:
 
     * the guide's form: ``muon_params=[...]``, ``adamw_params=[...]`` with
-      ``muon_kwargs`` / ``adamw_kwargs``;
+      ``muon_kwargs`` / ``adamw_kwargs`` (and HyperParallel's
+      ``sinkhorn_params`` / ``sinkhorn_kwargs``); chained adamw, muon, sinkhorn;
     * any registered optimizers by name:
       ``optimizers={"muon": {"params": [...], "lr": 0.02}, "lion": {...}}``;
     * a partitioner when no params are given: ``partitioner="by_shape"``
       (the default when no params are given at all), with
       ``partitioner_kwargs``; ``optimizers`` then only carries kwargs;
-    * family configuration: a keyword named after a registered optimizer,
-      ``muon={"lr": 0.02}, sinkhorn=None, adamw={"weight_decay": 0.1}``. A
-      family's dict holds its options plus ``param_patterns`` (regular
-      expressions over param names that override the default routing),
-      ``param_groups`` (``[{"param_patterns": [...], <group options>}]``) and
-      Muon's ``head_wise`` / ``head_dim`` / ``head_wise_patterns``; ``{}`` is
-      the defaults and ``None`` turns the family off. ``muon``, ``sinkhorn``
-      and ``adamw`` are on unless set to ``None``; any other family gets only
-      what its patterns match. The registered ``by_family`` partitioner does
-      the routing; this mode excludes every argument of the three above.
+    * family configuration (HyperParallel's): a keyword named after a
+      registered optimizer, ``muon={"lr": 0.02}, adamw={"weight_decay": 0.1}``.
+      A family's dict holds its options plus ``param_patterns`` (regular
+      expressions over param names that override the default routing) and
+      ``param_groups`` (``[{"param_patterns": [...], <group options>}]``, some
+      of the family's own params with options of their own); ``{}`` is the
+      defaults, and a family left out or ``None`` is off. Norms go to
+      ``adamw``, embeddings and the output head to ``sinkhorn`` (to ``adamw``
+      when it is off), other matrices to ``muon``; any other family gets only
+      what its patterns match. With ``muon={"head_wise": True}`` and no
+      ``head_dim``, the head size is ``model.config.head_dim`` (else
+      ``hidden_size // num_attention_heads``). The registered ``by_family``
+      partitioner does the routing; this mode excludes every argument of the
+      three above.
 
     Keyword arguments prefixed with an optimizer's name (``muon_lr=0.02``,
     ``adamw_weight_decay=0.1``) are that optimizer's options.
@@ -178,7 +188,9 @@ def get_hyper_optimizer(
     Rules: frozen params are skipped; a tied param counts once; an empty
     list means that optimizer is not created. A param with fewer than two
     dims given to a matrix-only optimizer (Muon) is optimized by AdamW instead,
-    with one warning naming it.
+    with one warning naming it. Every param's ``model_name`` is set to its
+    name in ``model`` (as HyperParallel does), so optimizers can select by
+    name (Muon's ``head_wise``).
 
     Returns:
         A :class:`ChainedOptimizer` whose ``optimizers`` are keyed by name.
@@ -186,6 +198,9 @@ def get_hyper_optimizer(
     Raises:
         TypeError: ``model`` is not a module, or an unknown keyword argument
             (with a hint).
+        HyperParallelConfigError: family keywords mixed with another form,
+            or a malformed ``param_groups`` (a ``TypeError`` and a
+            ``ValueError``).
         ValueError: a param in two groups, a trainable param in no group (the
             first names are listed), a param not in ``model``, or no params at all;
             in family configuration, a pattern that matches no param or a param
@@ -197,7 +212,7 @@ def get_hyper_optimizer(
             f"get_hyper_optimizer() needs model=<nn.Module>, got {type(model).__name__}."
         )
     arguments = _Arguments(
-        muon_params, adamw_params, muon_kwargs, adamw_kwargs,
+        muon_params, adamw_params, muon_kwargs, adamw_kwargs, sinkhorn_params, sinkhorn_kwargs,
         optimizers, partitioner, partitioner_kwargs,
     )  # fmt: skip
     families = _pop_families(prefixed_kwargs)
@@ -220,6 +235,8 @@ class _Arguments:
     adamw_params: Iterable[Any] | None = None
     muon_kwargs: Mapping[str, Any] | None = None
     adamw_kwargs: Mapping[str, Any] | None = None
+    sinkhorn_params: Iterable[Any] | None = None
+    sinkhorn_kwargs: Mapping[str, Any] | None = None
     optimizers: Mapping[str, Mapping[str, Any]] | None = None
     partitioner: str | None = None
     partitioner_kwargs: Mapping[str, Any] | None = None
@@ -230,7 +247,8 @@ class _Arguments:
     def for_families(self, families: Mapping[str, Mapping[str, Any] | None]) -> _Arguments:
         """The arguments family configuration stands for; any argument given too is an error."""
         if self.given():
-            raise HyperParallelTypeError(
+            raise HyperParallelConfigError(
+                f"Family configs cannot be mixed with explicit groups/kwargs: "
                 f"get_hyper_optimizer() got family keywords "
                 f"({', '.join(f'{n}=' for n in families)}) and "
                 f"{', '.join(f'{n}=' for n in self.given())}; use one or the other. In family "
@@ -276,8 +294,8 @@ class _Plan:
         return spec
 
     def add_arguments(self, arguments: _Arguments, prefixed: Mapping[str, Any]) -> None:
-        """The guide's muon/adamw arguments, ``optimizers=``, then ``<name>_<option>`` keywords."""
-        for name in ("muon", "adamw"):
+        """The guide's ``<name>_params``/``<name>_kwargs``, ``optimizers=``, then ``<name>_<option>``."""
+        for name in EXPLICIT_FORM:
             params, kwargs = (
                 getattr(arguments, f"{name}_params"),
                 getattr(arguments, f"{name}_kwargs"),
@@ -291,7 +309,7 @@ class _Plan:
                 )
             config = dict(config)
             self.add(name, config.pop("params", None), config, f"optimizers[{name!r}]")
-        for name, extra in _split_prefixed(prefixed, [*self.specs, "muon", "adamw"]).items():
+        for name, extra in _split_prefixed(prefixed, [*self.specs, *EXPLICIT_FORM]).items():
             spec = self.specs.get(name) or self.add(name, None, None, f"{name}_* keyword arguments")
             for key, value in extra.items():
                 if key in spec.kwargs:
@@ -324,12 +342,18 @@ class _Plan:
             raise HyperParallelTypeError(
                 f"Partitioner {entry.name!r} returned {type(assignment).__name__}, not a dict."
             )
+        chained: list[str] = []
         for opt_name, params in assignment.items():
             output = f"{where} output for {opt_name!r}"
             key = get_registry().get(PluginKind.OPTIMIZER, opt_name).name
             spec = self.specs.get(key) or self.add(key, [], None, output)
             spec.groups = _as_groups(params, output)
             spec.params_given = True
+            chained.append(key)
+        # Chained in the partitioner's order (by_family: HyperParallel's).
+        self.specs = {
+            k: self.specs[k] for k in [*chained, *(k for k in self.specs if k not in chained)]
+        }
         unassigned = [n for n, s in self.specs.items() if not s.params_given]
         if unassigned:
             raise HyperParallelValueError(
@@ -345,11 +369,18 @@ class _Plan:
     def settle(self) -> None:
         """Make the groups final and check them; nothing is built yet."""
         self.names = _first_names(self.model)
+        self._infer_head_dim()
         self._follow_sharding()
         self._drop_frozen_and_repeated()
         self._move_vectors_off_matrix_optimizers()
         self._check_options()
         self._check_coverage()
+
+    def _infer_head_dim(self) -> None:
+        """``head_wise=True`` without a ``head_dim``: the model config's, as HyperParallel infers it."""
+        for spec in self.specs.values():
+            if spec.kwargs.get("head_wise") and spec.kwargs.get("head_dim") is None:
+                spec.kwargs["head_dim"] = config_head_dim(self.model)
 
     def _label(self, p: torch.Tensor) -> str:
         return self.names.get(id(p), f"<param of shape {tuple(p.shape)}>")
@@ -479,10 +510,16 @@ class _Plan:
         for spec in self.specs.values():
             for group in spec.groups:
                 group["params"] = [mains.add(p) for p in group["params"]]
+        for param, main in mains:
+            self.names[id(main)] = self._label(param)
         return mains
 
     def build(self) -> dict[str, Optimizer]:
-        """Build each optimizer that has params; an empty one is not created."""
+        """Name every param (``model_name``), then build each optimizer that has params."""
+        for spec in self.specs.values():
+            for group in spec.groups:
+                for p in group["params"]:
+                    p.model_name = self._label(p)  # type: ignore[attr-defined]
         built: dict[str, Optimizer] = {}
         for spec in self.specs.values():
             groups = [g for g in spec.groups if g["params"]]
@@ -501,6 +538,19 @@ class _Plan:
                 "(or every param is frozen)."
             )
         return built
+
+
+def config_head_dim(model: nn.Module) -> int | None:
+    """``model.config.head_dim``, else ``hidden_size // num_attention_heads`` (Hugging Face)."""
+    config = getattr(model, "config", None)
+    head_dim = getattr(config, "head_dim", None)
+    if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
+        return head_dim
+    hidden = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
 
 
 def _first_names(model: nn.Module) -> dict[int, str]:
@@ -538,11 +588,9 @@ def _family_options(
     families: Mapping[str, Mapping[str, Any] | None],
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """Family dicts -> each enabled family's optimizer options, and the partitioner's options."""
-    order = [*DEFAULT_FAMILIES, *(n for n in families if n not in DEFAULT_FAMILIES)]
     options: dict[str, dict[str, Any]] = {}
     routing: dict[str, dict[str, Any]] = {}
-    for name in order:
-        config = families.get(name, {})
+    for name, config in families.items():
         if config is not None and "params" in config:
             raise HyperParallelTypeError(
                 f"{name}= takes no 'params'; select the family's params with 'param_patterns' "

@@ -38,16 +38,25 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
     again only when the group's params or ``sharding`` option change.
 
     ``matrix_only = True`` tells ``get_hyper_optimizer`` that params with
-    fewer than two dims belong to another optimizer.
+    fewer than two dims belong to another optimizer. ``replica_group_size``
+    (HSDP's ``hsdp_replica_count``) limits the replicas that share the work
+    (:meth:`~hyper_parallel.core.distributed.ShardingBackend.group_replicas`).
     """
 
     matrix_only: ClassVar[bool] = True
     #: Group keys a state_dict from an older version may lack, with their defaults.
     extra_group_defaults: ClassVar[Mapping[str, Any]] = {"sharding": None}
 
-    def __init__(self, params: ParamsT, defaults: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        params: ParamsT,
+        defaults: dict[str, Any],
+        *,
+        replica_group_size: int | None = None,
+    ) -> None:
         self._check_options(defaults)  # the constructor's own arguments, before any group
-        self._backends = GroupBackends()  # before super() adds the groups
+        # before super() adds the groups
+        self._backends = GroupBackends(replica_group_size=replica_group_size)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

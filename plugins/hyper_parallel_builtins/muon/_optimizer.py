@@ -1,0 +1,429 @@
+"""The :class:`Muon` optimizer and its registration."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
+
+from hyper_parallel import hookimpl
+from hyper_parallel.core.distributed import PrepareFn
+from hyper_parallel.core.distributed.toolkit import local_tensor
+from hyper_parallel.core.errors import HyperParallelValueError
+from hyper_parallel.core.optimizer import MatrixOptimizer, by_device_and_dtype
+from hyper_parallel.core.plugin import RegisterFn
+from hyper_parallel_builtins.muon._extensions import (
+    MomentumUpdateFn,
+    MuonPostUpdateContext,
+    NSTransformFn,
+    PostUpdateFn,
+    ReshapeFn,
+    ZeropowerFn,
+    check_head_wise,
+    check_head_wise_selects,
+    head_wise_dims,
+    param_names,
+)
+from hyper_parallel_builtins.muon._matrices import matrix_shape, need
+from hyper_parallel_builtins.muon._options import (
+    HYPER_PARALLEL_LR,
+    TORCH_LR,
+    check_options,
+    check_replica_count,
+    follows_torch,
+)
+from hyper_parallel_builtins.muon._update import BlockTransform, MuonTeam, momentum_step
+from hyper_parallel_builtins.newton_schulz import (
+    CoefficientSpec,
+    newton_schulz_flops,
+    resolve_ns_method,
+)
+
+__all__ = ["Muon", "hyper_parallel_register_optimizers"]
+
+# Group keys beyond torch.optim.Muon's, with the values a group loaded from an older or
+# another library's state_dict (torch.optim.Muon's, HyperParallel's) gets.
+_EXTRA_DEFAULTS: Mapping[str, Any] = {
+    "matched_adamw_rms": None,
+    "ns_variant": None,
+    "ns_epsilon": 1e-10,
+    "zero_rms_scale_mode": "zero",
+    "apply_lr_in_update": False,
+    "ns_coefficients": None,
+    "eps": None,
+    "adjust_lr_fn": None,
+    "ns_dtype": None,
+    "ns_method": "auto",
+    "matrix_view": "auto",
+    "sharding": None,
+    "head_dim": None,
+    "split_rows": None,
+}
+
+# What Muon keeps beyond torch's Optimizer state: carried by copies and pickles.
+_INSTANCE_ATTRIBUTES = (
+    "head_wise",
+    "head_dim",
+    "head_wise_patterns",
+    "hsdp_replica_count",
+    "zeropower_fn",
+    "momentum_update_fn",
+    "reshape_fn",
+    "ns_transform_fn",
+    "post_update_fn",
+    "_head_dims",
+)
+
+
+class Muon(MatrixOptimizer):
+    r"""Momentum orthogonalized by Newton-Schulz, for hidden-layer matrices: HyperParallel's Muon.
+
+    For each matrix param :math:`W` of shape :math:`(A, B)` with gradient
+    :math:`G` and momentum buffer :math:`M` (zero at first), by default:
+
+    .. math::
+
+        U &\leftarrow G + m_1 M, \qquad M \leftarrow m_2 M + G, \qquad
+            U \leftarrow G + m_1 U \ \text{(nesterov)} \\
+        O &\leftarrow \mathrm{NS}_k\!\left(U / (\lVert U \rVert_F + \epsilon)\right) \\
+        W &\leftarrow (1 - \eta\lambda)\, W - \eta\, r \sqrt{\max(A, B)}\; O
+
+    where :math:`\mathrm{NS}_k` is ``ns_steps`` iterations of
+    :math:`X \leftarrow aX + (bA + cA^2)X` with :math:`A = XX^\top` (on
+    :math:`X^\top` when :math:`A > B`), one ``(a, b, c)`` per iteration from
+    ``ns_variant``, and :math:`r` is ``matched_adamw_rms``: the update's RMS
+    is about :math:`\eta r`, an AdamW update's, so AdamW's lr and weight
+    decay carry over. These are HyperParallel's defaults, names and rule, so
+    a HyperParallel script trains the same here.
+
+    ``torch.optim.Muon``'s keywords keep torch's meaning: a call with
+    ``adjust_lr_fn``, ``eps`` or ``ns_coefficients`` as one ``(a, b, c)``
+    triple makes torch's update (lr 1e-3 by default, momentum
+    :math:`M \leftarrow \mu M + (1-\mu) G`, the norm floored at ``eps``, the
+    scale :math:`\sqrt{\max(1, A/B)}` or ``"match_rms_adamw"``'s). Each
+    param group follows the convention its own keys say.
+
+    Params with fewer than 2 dims are refused: give them to AdamW
+    (``get_hyper_optimizer`` does so). Params of more dims are read as
+    matrices as ``matrix_view`` says. Matrices of one shape, device and NS
+    dtype in a param group are orthogonalized in one batched call. Sharded
+    (DTensor) params of any layout get the same numbers as one process.
+
+    Args:
+        params: Params, ``(name, param)`` pairs, or param-group dicts; a group
+            may override any option below but ``head_wise``,
+            ``head_wise_patterns``, ``hsdp_replica_count`` and the callables.
+        lr: Learning rate :math:`\eta` (a float or a 1-element tensor).
+            ``None``: 2e-2, or 1e-3 with torch's keywords.
+        weight_decay: Decoupled weight decay :math:`\lambda`.
+        matched_adamw_rms: RMS target :math:`r`. ``0``/``None``: see
+            ``zero_rms_scale_mode``.
+        momentum: :math:`m_1 = m_2`, or HyperParallel's pair ``(m1, m2)``.
+        nesterov: Orthogonalize the Nesterov look-ahead.
+        ns_steps: Newton-Schulz iterations :math:`k`, 1 to 99.
+        ns_variant: Coefficient set: ``"asym5"`` (a triple per iteration,
+            at most 5; the default, ``None``, except with torch's keywords,
+            whose default is ``"legacy"``), ``"legacy"`` (Keller Jordan's
+            ``(3.4445, -4.7750, 2.0315)`` at every step), ``"custom"`` (one
+            triple per iteration from ``ns_coefficients``), or another set of
+            :data:`~hyper_parallel_builtins.newton_schulz.COEFFICIENT_SETS`
+            (``"polar_express"``, ``"cubic"``).
+        hsdp_replica_count: HSDP replicas that share one copy of the
+            optimizer's work (a divisor of the replicate dim; ``None``: all
+            of them). Replicas in different groups compute the same results
+            themselves, so the sharing collectives stay within a group.
+        head_wise: Split the q/k projection weights that
+            ``head_wise_patterns`` selects (default: names ending in
+            ``q_proj``, ``k_proj``, ``q_b_proj``, ``wq`` or ``wk`` +
+            ``.weight``) into heads: a ``(heads * head_dim, in)`` weight is
+            ``heads`` independent ``(head_dim, in)`` matrices for
+            Newton-Schulz and the scale. Params need names.
+        head_dim: The head size of the default selection.
+        head_wise_patterns: ``{regex: head_dim}`` replacing the default selection.
+        ns_coefficients: With ``ns_variant="custom"``, at least ``ns_steps``
+            finite ``(a, b, c)``; or one triple, torch's form (torch's convention).
+        ns_epsilon: Added to each matrix's norm before Newton-Schulz.
+        zeropower_fn: ``fn(x, steps=ns_steps)`` in place of Newton-Schulz,
+            on a ``(m, n)`` matrix or ``(B, m, n)`` stack of whole matrices.
+        momentum_update_fn: ``fn(grads, buffers, m1, m2, nesterov)`` in place of
+            the momentum rule: steps the buffers in place and returns the updates.
+        reshape_fn: ``fn(name, update)``: views of a param's whole update to
+            orthogonalize (and scale) one by one.
+        ns_transform_fn: ``fn(name, update)``: an
+            :class:`~hyper_parallel_builtins.muon.NSInputTransform` (pieces
+            and how to restore them), or ``None`` to leave the param alone.
+        post_update_fn: ``fn(param, local_tensor, context)`` after each
+            updated param's step, with a
+            :class:`~hyper_parallel_builtins.muon.MuonPostUpdateContext`.
+        zero_rms_scale_mode: With no ``matched_adamw_rms``: ``"zero"`` makes
+            no update (weight decay only), ``"use_lr"`` scales by 1.
+        apply_lr_in_update: Fold :math:`-\eta` into the update's scale and
+            add it (the same step, rounded in another order).
+        eps: torch's floor on the norm (torch's convention; default 1e-7).
+        adjust_lr_fn: torch's ``"original"`` (:math:`\sqrt{\max(1, A/B)}`) or
+            ``"match_rms_adamw"`` (:math:`0.2\sqrt{\max(A, B)}`) (torch's convention).
+        ns_dtype: dtype Newton-Schulz runs in. ``None``: the fastest on the
+            device (:func:`~hyper_parallel_builtins.muon.default_ns_dtype`):
+            bfloat16 on an accelerator and on a CPU with native bf16 matmul,
+            float32 on other CPUs, float64 for float64 params;
+            ``$HYPER_PARALLEL_NS_DTYPE`` where set. Params and buffers keep
+            their own dtype.
+        ns_method: ``"standard"``, ``"gram"`` (iterate on the Gram matrix:
+            fewer FLOPs for long thin matrices, the same result up to
+            rounding) or ``"auto"`` (Gram from the aspect ratio measured to
+            pay off on the device).
+        matrix_view: How params of more than 2 dims become matrices:
+            ``"auto"`` (3-D ``(E, m, n)`` is ``E`` expert matrices, 4-D and more
+            is flattened to ``(out, -1)``), ``"flatten"`` or ``"batch"`` (all
+            leading dims are batch dims).
+        sharding: The sharding backend of sharded params (``"fsdp"``,
+            ``"hsdp"``, ...). ``None``: ``$HYPER_PARALLEL_SHARDING`` as it is
+            when the optimizer is built, else detected from the placements.
+        split_rows: Group key: row counts that split a fused weight (QKV)
+            into independent blocks; a group's ``head_dim`` then applies
+            inside each. (A group's ``head_dim`` alone splits its params
+            into heads.)
+
+    Raises:
+        ValueError: a param with fewer than 2 dims or complex, an
+            out-of-range or unknown option, or a head-wise param that cannot
+            be split.
+        TypeError: an ``hsdp_replica_count`` that is not an int.
+
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> matrices = [p for p in model.parameters() if p.ndim >= 2]
+        >>> opt = Muon(matrices, lr=0.02, momentum=0.95)
+        >>> model(torch.randn(2, 8)).sum().backward()
+        >>> opt.step()
+    """
+
+    extra_group_defaults: ClassVar[Mapping[str, Any]] = _EXTRA_DEFAULTS
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor | None = None,
+        weight_decay: float = 0.1,
+        matched_adamw_rms: float | None = 0.2,
+        momentum: float | Sequence[float] = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_variant: str | None = None,
+        hsdp_replica_count: int | None = None,
+        head_wise: bool = False,
+        head_dim: int | None = None,
+        head_wise_patterns: Mapping[str, int] | None = None,
+        *,
+        ns_coefficients: CoefficientSpec | None = None,
+        ns_epsilon: float = 1e-10,
+        zeropower_fn: ZeropowerFn | None = None,
+        momentum_update_fn: MomentumUpdateFn | None = None,
+        reshape_fn: ReshapeFn | None = None,
+        ns_transform_fn: NSTransformFn | None = None,
+        post_update_fn: PostUpdateFn | None = None,
+        zero_rms_scale_mode: str = "zero",
+        apply_lr_in_update: bool = False,
+        eps: float | None = None,
+        adjust_lr_fn: str | None = None,
+        ns_dtype: torch.dtype | None = None,
+        ns_method: str = "auto",
+        matrix_view: str = "auto",
+        sharding: str | None = None,
+        split_rows: Sequence[int] | None = None,
+    ) -> None:
+        check_head_wise(head_wise, head_dim, head_wise_patterns, (reshape_fn, ns_transform_fn))
+        defaults: dict[str, Any] = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "matched_adamw_rms": matched_adamw_rms,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_steps": ns_steps,
+            "ns_variant": ns_variant,
+            "ns_coefficients": ns_coefficients,
+            "ns_epsilon": ns_epsilon,
+            "zero_rms_scale_mode": zero_rms_scale_mode,
+            "apply_lr_in_update": apply_lr_in_update,
+            "eps": eps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "ns_dtype": ns_dtype,
+            "ns_method": ns_method,
+            "matrix_view": matrix_view,
+            "sharding": sharding,
+            "head_dim": None,
+            "split_rows": split_rows,
+        }
+        if lr is None:
+            defaults["lr"] = TORCH_LR if follows_torch(defaults) else HYPER_PARALLEL_LR
+        self.head_wise, self.head_dim = head_wise, head_dim
+        self.head_wise_patterns = head_wise_patterns
+        self.hsdp_replica_count = check_replica_count(hsdp_replica_count)
+        self.zeropower_fn, self.momentum_update_fn = zeropower_fn, momentum_update_fn
+        self.reshape_fn, self.ns_transform_fn = reshape_fn, ns_transform_fn
+        self.post_update_fn = post_update_fn
+        self._head_dims: dict[Tensor, int] = {}
+        super().__init__(params, defaults, replica_group_size=self.hsdp_replica_count)
+        if head_wise:
+            check_head_wise_selects(self.param_groups, head_wise_patterns)
+
+    _check_options = staticmethod(check_options)
+
+    def _check_param(self, param: Tensor, group: dict[str, Any]) -> None:
+        """Refuse vectors, complex params, and head or row splits that do not fit."""
+        if param.ndim < 2:
+            raise HyperParallelValueError(
+                f"Muon only updates matrices, but got a param of shape {tuple(param.shape)} "
+                f"({param.ndim}-D). Optimize params with fewer than 2 dims (biases, norm weights) "
+                "with AdamW: e.g. get_hyper_optimizer(model, partitioner='by_shape'), or put them "
+                "in adamw_params."
+            )
+        if param.is_complex():
+            raise HyperParallelValueError(
+                f"Muon does not support complex params (got {param.dtype}, shape "
+                f"{tuple(param.shape)}); optimize them with AdamW or view them as real."
+            )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        dims = (
+            head_wise_dims([group], self.head_dim, self.head_wise_patterns)
+            if self.head_wise
+            else {}
+        )
+        for p in group["params"]:
+            split = dims.get(p)
+            if split is not None and group["head_dim"] not in (None, split):
+                raise HyperParallelValueError(
+                    f"A param of shape {tuple(p.shape)} is split into heads of {split} rows by "
+                    f"head_wise and of {group['head_dim']} by its group's head_dim; give one."
+                )
+            need(p.shape, group, split or group["head_dim"])  # the split fits
+        self._head_dims.update(dims)
+
+    def _head_dim_of(self, param: Tensor, group: Mapping[str, Any]) -> int | None:
+        split: int | None = self._head_dims.get(param, group["head_dim"])
+        return split
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({name: self.__dict__[name] for name in _INSTANCE_ATTRIBUTES})
+        return state
+
+    def _step_group(self, group: dict[str, Any]) -> None:
+        group["step"] = (group.get("step") or 0) + 1
+        params, grads, buffers = self._params_with_grads(group)
+        if not params:
+            return
+        lr = group["lr"]
+        lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
+
+        def updates(positions: list[int]) -> list[Tensor]:
+            return momentum_step(
+                group,
+                [buffers[i] for i in positions],
+                [grads[i] for i in positions],
+                self.momentum_update_fn,
+            )
+
+        orthogonal = self._orthogonalize(updates, buffers, params, group, lr)
+        local_params = [local_tensor(p) for p in params]
+        foreach_groups = by_device_and_dtype(local_params)
+        decay = 1 - lr * group["weight_decay"]
+        if decay != 1:
+            for indices in foreach_groups:
+                torch._foreach_mul_([local_params[i] for i in indices], decay)
+        alpha = 1.0 if group["apply_lr_in_update"] else -lr
+        for indices in foreach_groups:
+            torch._foreach_add_(
+                [local_params[i] for i in indices],
+                [local_tensor(orthogonal[i]) for i in indices],
+                alpha=alpha,
+            )
+        if self.post_update_fn is not None:
+            self._post_update(params, local_params, group, lr)
+
+    def _orthogonalize(
+        self,
+        prepare: PrepareFn,
+        layouts: list[Tensor],
+        params: list[Tensor],
+        group: dict[str, Any],
+        lr: float,
+    ) -> list[Tensor]:
+        """Newton-Schulz of every update in ``group``, scaled by each block's factor.
+
+        The group's sharding backend (resolved when the group was added)
+        brings each whole matrix, or each head block, to one rank: plain
+        tensors and blocks a rank holds whole are done in place, the rest by
+        one owner rank each, balanced by Newton-Schulz FLOPs (or by a team
+        of ranks). It asks ``prepare`` for the updates as it needs them
+        (those that travel first), so the rest of the momentum work can run
+        while they travel.
+
+        Returns:
+            The scaled, orthogonalized updates, laid out like ``layouts``.
+        """
+        names = _names_of(params, group)
+        transform = BlockTransform(
+            group,
+            lr,
+            names,
+            zeropower_fn=self.zeropower_fn,
+            reshape_fn=self.reshape_fn,
+            ns_transform_fn=self.ns_transform_fn,
+        )
+        view, device = group["matrix_view"], layouts[0].device
+
+        def ns_flops(shape: torch.Size) -> float:
+            batch, rows, cols = matrix_shape(shape, view)
+            method = resolve_ns_method(group["ns_method"], rows, cols, device)
+            return batch * newton_schulz_flops(rows, cols, group["ns_steps"], method)
+
+        standard = self.zeropower_fn is None and not transform.keyed
+        needs = [
+            need(u.shape, group, self._head_dim_of(p, group), i if transform.keyed else None)
+            for i, (u, p) in enumerate(zip(layouts, params, strict=True))
+        ]
+        return self.sharding_backend(group).map_prepared_blocks(
+            transform,
+            prepare,
+            layouts,
+            needs,
+            cost=ns_flops,
+            team=MuonTeam(group, transform.dtype(layouts[0]), lr) if standard else None,
+        )
+
+    def _post_update(
+        self, params: list[Tensor], local: list[Tensor], group: dict[str, Any], lr: float
+    ) -> None:
+        assert self.post_update_fn is not None
+        for param, local_param, name in zip(params, local, _names_of(params, group), strict=True):
+            context = MuonPostUpdateContext(
+                param_fqn=name,
+                logical_shape=tuple(param.shape),
+                lr=lr,
+                weight_decay=float(group["weight_decay"]),
+                step=int(group["step"]),
+            )
+            self.post_update_fn(param, local_param, context)
+
+
+def _names_of(params: list[Tensor], group: Mapping[str, Any]) -> list[str | None]:
+    """The names of ``params`` (a subset of the group's, in order)."""
+    by_id = {id(p): name for p, name in zip(group["params"], param_names(group), strict=True)}
+    return [by_id.get(id(p)) for p in params]
+
+
+@hookimpl
+def hyper_parallel_register_optimizers(register: RegisterFn) -> None:
+    """Register ``muon``."""
+    register(
+        "muon",
+        Muon,
+        description="HyperParallel's Muon: momentum orthogonalized by Newton\u2013Schulz, for "
+        "hidden-layer matrices",
+    )

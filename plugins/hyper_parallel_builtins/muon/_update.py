@@ -1,0 +1,314 @@
+"""One Muon step's arithmetic: momentum by either convention, and the orthogonalized blocks.
+
+:class:`BlockTransform` is what the sharding backend calls with whole blocks
+(whole matrices or head blocks, wherever they were assembled): it groups
+them by matrix shape, runs one batched Newton-Schulz (or the caller's
+``zeropower_fn``) per shape, and scales each result. With a ``reshape_fn`` or
+``ns_transform_fn`` it first asks, per param (found by the block's key),
+which pieces to orthogonalize. :class:`MuonTeam` is the same for a team of
+ranks sharing each matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import Tensor
+
+from hyper_parallel.core.distributed import Blocks
+from hyper_parallel.core.distributed.toolkit import local_tensor, shard_like
+from hyper_parallel.core.errors import HyperParallelValueError
+from hyper_parallel.core.optimizer import by_device_and_dtype, momentum_updates
+from hyper_parallel_builtins.muon._extensions import (
+    MomentumUpdateFn,
+    NSInputTransform,
+    NSTransformFn,
+    ReshapeFn,
+    ZeropowerFn,
+    check_transform,
+)
+from hyper_parallel_builtins.muon._matrices import batch_dims, matrix_shape, piece_shape
+from hyper_parallel_builtins.muon._options import (
+    coefficients_of,
+    default_ns_dtype,
+    follows_torch,
+    momentum_pair,
+    normalization_of,
+    update_scale,
+)
+from hyper_parallel_builtins.newton_schulz import (
+    newton_schulz_batched,
+    newton_schulz_flops,
+    newton_schulz_team,
+    newton_schulz_team_collectives,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["BlockTransform", "MuonTeam", "hyper_parallel_momentum", "momentum_step"]
+
+
+def hyper_parallel_momentum(
+    buffers: list[Tensor], grads: list[Tensor], m1: float, m2: float, nesterov: bool
+) -> list[Tensor]:
+    """HyperParallel's momentum, on the local shards: the buffers in place, the updates returned.
+
+    ``U = G + m1 B`` (with the buffer before this step), ``B <- m2 B + G``,
+    and with Nesterov ``U <- G + m1 U``. With ``m1 == m2`` and no Nesterov
+    the update is the new buffer itself.
+    """
+    local_buffers = [local_tensor(b) for b in buffers]
+    local_grads = [local_tensor(g) for g in grads]
+    updates = list(buffers)
+    for indices in by_device_and_dtype(local_buffers):
+        group_grads = [local_grads[i] for i in indices]
+        group_buffers = [local_buffers[i] for i in indices]
+        separate = nesterov or m1 != m2
+        if separate:
+            looked = torch._foreach_add(group_grads, group_buffers, alpha=m1)
+        torch._foreach_mul_(group_buffers, m2)
+        torch._foreach_add_(group_buffers, group_grads)
+        if not separate:
+            continue
+        if nesterov:
+            torch._foreach_mul_(looked, m1)
+            torch._foreach_add_(looked, group_grads)
+        for i, update in zip(indices, looked, strict=True):
+            updates[i] = shard_like(update, buffers[i])
+    return updates
+
+
+def momentum_step(
+    group: Mapping[str, Any],
+    buffers: list[Tensor],
+    grads: list[Tensor],
+    custom: MomentumUpdateFn | None,
+) -> list[Tensor]:
+    """Step the momentum buffers of ``group``'s params and return their updates (laid out like them).
+
+    ``custom`` (``momentum_update_fn``) replaces the built-in rule: it gets
+    the local tensors and ``(m1, m2, nesterov)``.
+    """
+    m1, m2 = momentum_pair(group["momentum"])
+    if custom is not None:
+        made = list(
+            custom(
+                [local_tensor(g) for g in grads],
+                [local_tensor(b) for b in buffers],
+                m1,
+                m2,
+                group["nesterov"],
+            )
+        )
+        if len(made) != len(grads):
+            raise HyperParallelValueError(
+                f"momentum_update_fn must return one update tensor per input gradient, got "
+                f"{len(made)} updates for {len(grads)} gradients."
+            )
+        for update, buffer in zip(made, buffers, strict=True):
+            if not isinstance(update, Tensor) or update.shape != local_tensor(buffer).shape:
+                got = tuple(update.shape) if isinstance(update, Tensor) else type(update).__name__
+                raise HyperParallelValueError(
+                    f"momentum_update_fn returned an update of shape {got} for a gradient of "
+                    f"shape {tuple(local_tensor(buffer).shape)}; return each update shaped like "
+                    "its gradient."
+                )
+        return [shard_like(u, b) for u, b in zip(made, buffers, strict=True)]
+    if follows_torch(group):
+        return momentum_updates(buffers, grads, m1, group["nesterov"])
+    return hyper_parallel_momentum(buffers, grads, m1, m2, group["nesterov"])
+
+
+def _as_update(result: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
+    """``result`` in ``dtype``, times ``scale``, in contiguous memory.
+
+    A tall matrix's Newton-Schulz result can come back as a transposed view;
+    cast and laid out in one copy, its update is applied over contiguous
+    memory (on a CPU, adding a transposed 2048 x 512 update took 16x the time).
+    """
+    return result.to(dtype, memory_format=torch.contiguous_format).mul_(scale)
+
+
+class BlockTransform:
+    """Newton-Schulz of one group's whole blocks, each scaled (a ``BlocksFn``).
+
+    Args:
+        group: The Muon param group.
+        lr: Its lr this step (for ``apply_lr_in_update``).
+        names: Each block key's param name (keys are positions in the
+            step's params); needed only with ``reshape_fn`` /
+            ``ns_transform_fn``.
+        zeropower_fn, reshape_fn, ns_transform_fn: HyperParallel's
+            extension callables, or ``None``.
+    """
+
+    def __init__(
+        self,
+        group: Mapping[str, Any],
+        lr: float,
+        names: Sequence[str | None] = (),
+        *,
+        zeropower_fn: ZeropowerFn | None = None,
+        reshape_fn: ReshapeFn | None = None,
+        ns_transform_fn: NSTransformFn | None = None,
+    ) -> None:
+        self.group, self.lr, self.names = group, lr, names
+        self.zeropower_fn = zeropower_fn
+        self.reshape_fn, self.ns_transform_fn = reshape_fn, ns_transform_fn
+        self.coefficients = coefficients_of(group)
+        self.eps, self.eps_added = normalization_of(group)
+
+    @property
+    def keyed(self) -> bool:
+        """Whether blocks must come with their param's key (a callable asks per param)."""
+        return self.reshape_fn is not None or self.ns_transform_fn is not None
+
+    def dtype(self, block: Tensor) -> torch.dtype:
+        """The dtype ``block`` is orthogonalized in."""
+        return cast(torch.dtype, self.group["ns_dtype"]) or default_ns_dtype(block)
+
+    def __call__(self, blocks: list[Tensor]) -> list[Tensor]:
+        if not self.keyed:
+            view = self.group["matrix_view"]
+            return self._orthogonalize(list(blocks), [matrix_shape(b.shape, view) for b in blocks])
+        if not isinstance(blocks, Blocks):
+            raise HyperParallelValueError(
+                "reshape_fn and ns_transform_fn need to know each block's param, but this sharding "
+                "backend hands blocks without their keys (hyper_parallel.core.distributed.Blocks); "
+                "use a backend built on map_held_blocks, or drop the function."
+            )
+        return [self._by_param(block, key) for block, key in zip(blocks, blocks.keys, strict=True)]
+
+    def _orthogonalize(
+        self, tensors: list[Tensor], shapes: list[tuple[int, int, int]]
+    ) -> list[Tensor]:
+        """Each tensor (read as ``shapes``' matrices) orthogonalized and scaled, in its own dtype."""
+        buckets: dict[tuple[torch.device, torch.dtype, int, int], list[int]] = {}
+        for i, (tensor, (_, rows, cols)) in enumerate(zip(tensors, shapes, strict=True)):
+            buckets.setdefault((tensor.device, self.dtype(tensor), rows, cols), []).append(i)
+        out: list[Tensor | None] = [None] * len(tensors)
+        for (_, dtype, rows, cols), indices in buckets.items():
+            matrices = [tensors[i].reshape(-1, rows, cols) for i in indices]
+            results = self._newton_schulz(matrices, dtype)
+            scale = update_scale(rows, cols, self.group, self.lr)
+            for i, result in zip(indices, results, strict=True):
+                out[i] = _as_update(result.reshape(tensors[i].shape), tensors[i].dtype, scale)
+        return cast(list[Tensor], out)
+
+    def _newton_schulz(self, matrices: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+        if self.zeropower_fn is None:
+            return newton_schulz_batched(
+                matrices,
+                self.coefficients,
+                eps=self.eps,
+                eps_added=self.eps_added,
+                dtype=dtype,
+                method=self.group["ns_method"],
+            )
+        stack = torch.cat([m.to(dtype) for m in matrices])
+        given = stack[0] if stack.shape[0] == 1 else stack
+        result = self.zeropower_fn(given, steps=self.group["ns_steps"])
+        if not isinstance(result, Tensor) or result.shape != given.shape:
+            got = tuple(result.shape) if isinstance(result, Tensor) else type(result).__name__
+            raise HyperParallelValueError(
+                f"zeropower_fn returned {got} for an input of shape {tuple(given.shape)}; return "
+                "the orthogonalized input in its own shape."
+            )
+        return list(result.reshape(stack.shape).split([m.shape[0] for m in matrices]))
+
+    def _by_param(self, block: Tensor, key: object) -> Tensor:
+        """One param's whole update, cut into pieces as its ``reshape_fn``/``ns_transform_fn`` says."""
+        name = self.names[cast(int, key)] if key is not None else None
+        working = block.to(self.dtype(block), memory_format=torch.contiguous_format, copy=True)
+        transform = self._transform(name, working)
+        shapes = [piece_shape(t.shape) for t in transform.tensors]
+        results = self._orthogonalize(list(transform.tensors), shapes)
+        transform.restore(results, working)
+        return working.to(block.dtype)
+
+    def _transform(self, name: str | None, working: Tensor) -> NSInputTransform:
+        if name is not None and self.ns_transform_fn is not None:
+            made = self.ns_transform_fn(name, working)
+            if made is not None:
+                return check_transform(made, working)
+        views = [working]
+        if name is not None and self.reshape_fn is not None:
+            views = list(self.reshape_fn(name, working)) or [working]
+            storage = working.untyped_storage().data_ptr()
+            if any(v.untyped_storage().data_ptr() != storage for v in views):
+                raise HyperParallelValueError(
+                    f"reshape_fn must return views that share storage with the working NS input "
+                    f"tensor (param {name!r}); return views of it (view, reshape, split), not copies."
+                )
+
+        def restore(updates: list[Tensor], output: Tensor) -> None:
+            for view, update in zip(views, updates, strict=True):
+                view.copy_(update.view_as(view))
+
+        return NSInputTransform(tensors=views, restore=restore)
+
+
+class MuonTeam:
+    """Newton-Schulz of a group's whole matrices as a team of ranks computes it.
+
+    The :class:`~hyper_parallel.core.distributed.TeamTransform` Muon hands
+    its sharding backend. Members slice the columns of the iterated matrix
+    (the rows of a tall param, which is iterated transposed; else its first
+    column dim) and run :func:`newton_schulz_team`; each result is scaled
+    like a whole one's. A team always runs the standard iteration (whatever
+    ``ns_method``), in one dtype for the group (``ns_dtype``, else the
+    default for its first param), and sums its Gram matrices in that dtype.
+
+    Args:
+        group: A Muon param group (its coefficients, normalization, scale
+            and ``matrix_view``).
+        dtype: The Newton-Schulz dtype.
+        lr: The group's lr this step (for ``apply_lr_in_update``).
+    """
+
+    def __init__(self, group: Mapping[str, Any], dtype: torch.dtype, lr: float = 0.0) -> None:
+        self.group, self.dtype, self.lr = group, dtype, lr
+        self.coefficients = coefficients_of(group)
+        self.eps, self.eps_added = normalization_of(group)
+
+    def split_dim(self, shape: torch.Size) -> int | None:
+        _, rows, cols = matrix_shape(shape, self.group["matrix_view"])
+        batch = batch_dims(len(shape), self.group["matrix_view"])
+        return batch if rows > cols else batch + 1
+
+    def cost(self, shape: torch.Size, members: int) -> float:
+        batch, rows, cols = matrix_shape(shape, self.group["matrix_view"])
+        return batch * newton_schulz_flops(rows, cols, len(self.coefficients), "standard") / members
+
+    def collectives(self, shape: torch.Size, members: int) -> list[tuple[str, int]]:
+        batch, rows, cols = matrix_shape(shape, self.group["matrix_view"])
+        return newton_schulz_team_collectives(
+            batch, min(rows, cols), self.coefficients, members, self.dtype
+        )
+
+    def __call__(
+        self, slices: list[Tensor], shapes: list[torch.Size], group: ProcessGroup
+    ) -> list[Tensor]:
+        views, talls, scales = [], [], []
+        for piece, shape in zip(slices, shapes, strict=True):
+            batch, rows, cols = matrix_shape(shape, self.group["matrix_view"])
+            tall = rows > cols
+            x = piece.reshape(batch, -1, cols) if tall else piece.reshape(batch, rows, -1)
+            views.append(x.mT if tall else x)
+            talls.append(tall)
+            scales.append(update_scale(rows, cols, self.group, self.lr))
+        results = newton_schulz_team(
+            views,
+            self.coefficients,
+            group,
+            eps=self.eps,
+            eps_added=self.eps_added,
+            dtype=self.dtype,
+        )
+        return [
+            _as_update((r.mT if tall else r).reshape(piece.shape), piece.dtype, scale)
+            for r, tall, piece, scale in zip(results, talls, slices, scales, strict=True)
+        ]
