@@ -23,6 +23,7 @@ from hyper_parallel.core.errors import (
 from hyper_parallel.core.optimizer import (
     ChainedOptimizer,
     HyperLRScheduler,
+    LRSchedulersContainer,
     MainParams,
     MatrixOptimizer,
     get_hyper_lr_scheduler,
@@ -60,6 +61,7 @@ __all__ = [
     "DuplicatePluginError",
     "HyperLRScheduler",
     "HyperParallelError",
+    "LRSchedulersContainer",
     "MainParams",
     "MatrixOptimizer",
     "Muon",

@@ -64,23 +64,32 @@ def run(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> list[li
 
 
 def _p(s: int, t: int, w: int) -> float:
-    return 1.0 if t == w else min(1.0, max(0.0, (s - w) / (t - w)))
+    return 1.0 if s > t else min(1.0, max(0.0, (s - w) / max(1, t - w)))
 
 
 def ref_constant(s: int, t: int, w: int) -> float:
     return s / w if s < w else 1.0
 
 
-def ref_linear(s: int, t: int, w: int, min_lr_ratio: float = 0.0) -> float:
+def ref_linear(
+    s: int, t: int, w: int, min_lr_ratio: float = 0.0, decay_ratio: float = 1.0
+) -> float:
     if s < w:
         return s / w
-    return min_lr_ratio + (1 - min_lr_ratio) * (1 - _p(s, t, w))
+    return max(min_lr_ratio, 1 - _p(s, int(t * decay_ratio), w))  # clipped, as HyperParallel's
 
 
-def ref_cosine(s: int, t: int, w: int, num_cycles: float = 0.5, min_lr_ratio: float = 0.0) -> float:
+def ref_cosine(
+    s: int,
+    t: int,
+    w: int,
+    num_cycles: float = 0.5,
+    min_lr_ratio: float = 0.0,
+    decay_ratio: float = 1.0,
+) -> float:
     if s < w:
         return s / w
-    wave = (1 + math.cos(2 * math.pi * num_cycles * _p(s, t, w))) / 2
+    wave = (1 + math.cos(2 * math.pi * num_cycles * _p(s, int(t * decay_ratio), w))) / 2
     return min_lr_ratio + (1 - min_lr_ratio) * wave
 
 
@@ -110,7 +119,7 @@ def ref_wsd(
     t: int,
     w: int,
     decay_steps: int,
-    decay_shape: str = "linear",
+    decay_shape: str = "exponential",
     min_lr_ratio: float = 0.0,
 ) -> float:
     if s < w:
@@ -133,8 +142,10 @@ FORMULA_CASES: list[tuple[str, dict[str, Any], Callable[..., float]]] = [
     ("constant_with_warmup", {}, ref_constant),
     ("linear", {}, ref_linear),
     ("linear", {"min_lr_ratio": 0.2}, ref_linear),
+    ("linear", {"min_lr_ratio": 0.1, "decay_ratio": 0.6}, ref_linear),
     ("cosine", {}, ref_cosine),
     ("cosine", {"num_cycles": 1.5, "min_lr_ratio": 0.1}, ref_cosine),
+    ("cosine", {"min_lr_ratio": 0.1, "decay_ratio": 0.7}, ref_cosine),
     ("cosine_with_restarts", {}, ref_restarts),
     ("cosine_with_restarts", {"num_cycles": 3, "min_lr_ratio": 0.05}, ref_restarts),
     ("polynomial", {}, ref_polynomial),
@@ -144,7 +155,7 @@ FORMULA_CASES: list[tuple[str, dict[str, Any], Callable[..., float]]] = [
     ("wsd", {}, ref_wsd),
     ("wsd", {"decay_fraction": 0.5}, ref_wsd),
     ("wsd", {"decay_steps": 15, "decay_shape": "cosine"}, ref_wsd),
-    ("wsd", {"decay_steps": 15, "decay_shape": "exponential", "min_lr_ratio": 0.1}, ref_wsd),
+    ("wsd", {"decay_steps": 15, "decay_shape": "linear", "min_lr_ratio": 0.1}, ref_wsd),
     ("wsd", {"decay_steps": 12, "decay_shape": "minus_sqrt"}, ref_wsd),
     ("wsd", {"decay_steps": 12, "decay_shape": "1-sqrt", "min_lr_ratio": 0.3}, ref_wsd),
 ]
@@ -183,7 +194,7 @@ def test_schedule_matches_its_formula(
     # the same numbers reach every group through the scheduler, each from its own peak
     optimizer = sgd(PEAK, 0.003)
     scheduler = get_hyper_lr_scheduler(
-        optimizer, name, total_steps=total, warmup_steps=warmup, **options
+        optimizer, name, total_steps=total, warmup_steps=warmup, lr_min=0.0, **options
     )
     history = run(optimizer, scheduler, len(steps))
     assert [h[0] for h in history] == pytest.approx([PEAK * e for e in expected], rel=1e-12)
@@ -204,8 +215,11 @@ def test_every_builtin_is_registered_with_its_aliases() -> None:
         assert registry.get("lr_scheduler", name).plugin == "schedules"
 
 
-def test_warmup_equal_to_total_goes_straight_to_the_final_value() -> None:
-    for name, final in [("linear", 0.0), ("cosine", 0.25), ("wsd", 0.25), ("constant", 1.0)]:
+def test_warmup_equal_to_total_reaches_the_peak_then_the_final_value() -> None:
+    # HyperParallel's rule: the decay ends after total_steps, so step total_steps is the peak.
+    for name, final, at_end in [
+        ("linear", 0.0, 1.0), ("cosine", 0.25, 1.0), ("wsd", 0.25, 0.25), ("constant", 1.0, 1.0),
+    ]:  # fmt: skip
         options = {} if name == "constant" else {"min_lr_ratio": final}
         optimizer = sgd()
         scheduler = get_hyper_lr_scheduler(
@@ -213,7 +227,8 @@ def test_warmup_equal_to_total_goes_straight_to_the_final_value() -> None:
         )
         history = [h[0] for h in run(optimizer, scheduler, 12)]
         assert history[:8] == pytest.approx([PEAK * s / 8 for s in range(8)])
-        assert history[8:] == pytest.approx([PEAK * final] * 4)
+        assert history[8] == pytest.approx(PEAK * at_end)
+        assert history[9:] == pytest.approx([PEAK * final] * 3)
 
 
 # -- Hugging Face transformers ----------------------------------------------------------------
@@ -347,7 +362,9 @@ def test_matches_hugging_face(hf: Any, case: str) -> None:
     theirs_opt, ours_opt = sgd(), sgd()
     theirs = build_hf(theirs_opt)
     first = warmup if case.endswith("_min_lr") else 0  # see the wsd note in _hf_case
-    ours = get_hyper_lr_scheduler(ours_opt, name, total_steps=T, warmup_steps=warmup, **options)
+    ours = get_hyper_lr_scheduler(
+        ours_opt, name, total_steps=T, warmup_steps=warmup, lr_min=0.0, **options
+    )
     expected = [h[0] for h in run(theirs_opt, theirs, last + 1)]
     got = [h[0] for h in run(ours_opt, ours, last + 1)]
     assert len(got[first:]) >= 20
@@ -359,7 +376,9 @@ def test_matches_hugging_face(hf: Any, case: str) -> None:
 
 def test_groups_of_one_optimizer_each_follow_their_own_peak() -> None:
     optimizer = sgd(0.02, 3e-4)
-    scheduler = get_hyper_lr_scheduler(optimizer, "cosine", total_steps=T, warmup_steps=W)
+    scheduler = get_hyper_lr_scheduler(
+        optimizer, "cosine", total_steps=T, warmup_steps=W, lr_min=0.0
+    )
     for step, (a, b) in enumerate(run(optimizer, scheduler, T + 5)):
         factor = ref_cosine(step, T, W)
         assert a == pytest.approx(0.02 * factor) and b == pytest.approx(3e-4 * factor)
@@ -369,17 +388,18 @@ def test_chained_optimizer_sub_optimizers_each_follow_their_own_peak() -> None:
     chained_module = pytest.importorskip("hyper_parallel.core.optimizer._chained")
     muon, adamw = sgd(0.02), torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=3e-4)
     chained = chained_module.ChainedOptimizer({"muon": muon, "adamw": adamw})
+    # HyperParallel's lr_min is relative to lr: every group ends at a tenth of its own peak
     scheduler = get_hyper_lr_scheduler(
-        chained, "wsd", total_steps=T, warmup_steps=W, decay_steps=20, lr_min=1e-5
+        chained, "wsd", total_steps=T, warmup_steps=W, decay_steps=20, lr=1e-4, lr_min=1e-5
     )
     for step in range(T + 5):
-        decay = ref_wsd(step, T, W, decay_steps=20)
+        factor = ref_wsd(step, T, W, decay_steps=20, min_lr_ratio=0.1)
         for sub, peak in [(muon, 0.02), (adamw, 3e-4)]:
-            expected = peak * step / W if step < W else 1e-5 + (peak - 1e-5) * decay
-            assert sub.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12)
+            assert sub.param_groups[0]["lr"] == pytest.approx(peak * factor, rel=1e-12)
         chained.step()
         scheduler.step()
-    assert muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"] == pytest.approx(1e-5)
+    assert muon.param_groups[0]["lr"] == pytest.approx(0.002)
+    assert adamw.param_groups[0]["lr"] == pytest.approx(3e-5)
 
 
 def test_tensor_lrs_stay_tensors() -> None:
@@ -389,7 +409,7 @@ def test_tensor_lrs_stay_tensors() -> None:
     for step in range(12):
         lr = optimizer.param_groups[0]["lr"]
         assert isinstance(lr, torch.Tensor)
-        assert float(lr) == pytest.approx(0.01 * ref_linear(step, 10, 2))
+        assert float(lr) == pytest.approx(0.01 * ref_linear(step, 10, 2, min_lr_ratio=1e-3))
         optimizer.step()
         scheduler.step()
 
@@ -409,7 +429,7 @@ def test_default_schedule_is_cosine() -> None:
 def test_decay_style_names_the_schedule(decay_style: str, expected: str) -> None:
     optimizer = sgd()
     scheduler = get_hyper_lr_scheduler(
-        optimizer, total_steps=T, warmup_steps=W, decay_style=decay_style
+        optimizer, total_steps=T, warmup_steps=W, decay_style=decay_style, lr_min=0.0
     )
     assert scheduler.schedule_name == expected
     fn = get_registry().get("lr_scheduler", expected).obj
@@ -427,34 +447,43 @@ def test_decay_style_and_scheduler_type_may_agree() -> None:
         assert scheduler.schedule_name == get_registry().get("lr_scheduler", decay_style).name
 
 
-def test_lr_min_is_an_absolute_floor_per_group() -> None:
+def test_lr_min_is_a_floor_relative_to_lr_for_every_group() -> None:
     optimizer = sgd(0.1, 0.01)
-    lr_min = 0.001
     scheduler = get_hyper_lr_scheduler(
-        optimizer, "cosine", total_steps=T, warmup_steps=W, lr_min=lr_min
+        optimizer, "cosine", total_steps=T, warmup_steps=W, lr=0.02, lr_min=0.002
     )
-    assert scheduler.lr_min == lr_min and "min_lr_ratio" not in scheduler.options
+    assert scheduler.options["min_lr_ratio"] == pytest.approx(0.1)
     for step, got in enumerate(run(optimizer, scheduler, T + 5)):
         for lr, peak in zip(got, (0.1, 0.01), strict=True):
-            expected = (
-                peak * step / W if step < W else lr_min + (peak - lr_min) * ref_cosine(step, T, W)
-            )
+            expected = peak * ref_cosine(step, T, W, min_lr_ratio=0.1)
             assert lr == pytest.approx(expected, rel=1e-12)
-    assert lrs(optimizer) == pytest.approx([lr_min, lr_min])
+    assert lrs(optimizer) == pytest.approx([0.01, 0.001])
 
 
-def test_lr_min_equal_to_a_peak_holds_that_group_flat() -> None:
+def test_the_defaults_decay_every_group_to_a_thousandth_of_its_peak() -> None:
     optimizer = sgd(0.1, 0.01)
-    scheduler = get_hyper_lr_scheduler(optimizer, "linear", total_steps=10, lr_min=0.01)
-    assert [h[1] for h in run(optimizer, scheduler, 12)] == pytest.approx([0.01] * 12)
+    scheduler = get_hyper_lr_scheduler(optimizer, "linear", total_steps=10)
+    assert scheduler.options["min_lr_ratio"] == pytest.approx(1e-7 / 1e-4)
+    run(optimizer, scheduler, 12)
+    assert lrs(optimizer) == pytest.approx([1e-4, 1e-5])
+
+
+def test_lr_min_equal_to_lr_holds_every_group_flat() -> None:
+    optimizer = sgd(0.1, 0.01)
+    scheduler = get_hyper_lr_scheduler(optimizer, "linear", total_steps=10, lr=1e-3, lr_min=1e-3)
+    assert [lr for step in run(optimizer, scheduler, 12) for lr in step] == pytest.approx(
+        [0.1, 0.01] * 12
+    )
 
 
 def test_warmup_ratio_sets_warmup_steps() -> None:
     optimizer = sgd()
-    scheduler = get_hyper_lr_scheduler(optimizer, "linear", total_steps=T, warmup_ratio=0.1)
-    assert scheduler.warmup_steps == 5
+    scheduler = get_hyper_lr_scheduler(
+        optimizer, "linear", total_steps=T, warmup_ratio=0.13, lr_min=0.0
+    )
+    assert scheduler.warmup_steps == 6  # int(50 * 0.13), truncated as HyperParallel does
     history = [h[0] for h in run(optimizer, scheduler, T + 2)]
-    assert history == pytest.approx([PEAK * ref_linear(s, T, 5) for s in range(T + 2)])
+    assert history == pytest.approx([PEAK * ref_linear(s, T, 6) for s in range(T + 2)])
 
 
 def test_wsd_megatron_aliases_set_decay_steps_and_shape() -> None:
@@ -465,12 +494,13 @@ def test_wsd_megatron_aliases_set_decay_steps_and_shape() -> None:
         total_steps=T,
         warmup_steps=W,
         wsd_decay_steps=15,
-        lr_wsd_decay_style="exponential",
+        lr_wsd_decay_style="cosine",
+        lr_min=0.0,
     )
     assert scheduler.options["decay_steps"] == 15
-    assert scheduler.options["decay_shape"] == "exponential"
+    assert scheduler.options["decay_shape"] == "cosine"
     history = [h[0] for h in run(optimizer, scheduler, T + 3)]
-    expected = [PEAK * ref_wsd(s, T, W, 15, "exponential") for s in range(T + 3)]
+    expected = [PEAK * ref_wsd(s, T, W, 15, "cosine") for s in range(T + 3)]
     assert history == pytest.approx(expected, rel=1e-12)
 
 
@@ -488,12 +518,13 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
      r"Unknown LR schedule 'cosin'"),
     ("unknown option", {"num_cycle": 2}, TypeError,
      r"'num_cycle' for LR schedule 'cosine'\. Did you mean 'num_cycles'\?.*"
-     r"Options of LR schedule 'cosine': min_lr_ratio, num_cycles\. Also accepted: lr_min"),
+     r"Options of LR schedule 'cosine': decay_ratio, min_lr_ratio, num_cycles, start_ratio\. "
+     r"Also accepted: lr_decay_ratio, lr_min, lr_start"),
     ("misspelt factory keyword", {"warmup_step": 3}, TypeError,
      r"'warmup_step'.*Did you mean 'warmup_steps'"),
     ("misspelt wsd option", {"scheduler_type": "wsd", "decay_shap": "cosine"}, TypeError,
      r"'decay_shap' for LR schedule 'wsd'\. Did you mean 'decay_shape'.*decay_fraction, "
-     r"decay_shape, decay_steps, min_lr_ratio"),
+     r"decay_shape, decay_steps, min_lr_ratio, start_ratio"),
     ("total_steps < 1", {"total_steps": 0}, ValueError, r"total_steps must be at least 1, got 0"),
     ("float total_steps", {"total_steps": 100.0}, TypeError,
      r"total_steps must be an int, got float 100\.0"),
@@ -518,8 +549,8 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
      r"decay_fraction must be in \(0, 1\]"),
     ("decay_fraction > 1", {"scheduler_type": "wsd", "decay_fraction": 1.5}, ValueError,
      r"decay_fraction must be in \(0, 1\]"),
-    ("decay_steps too long", {"scheduler_type": "wsd", "decay_steps": T - W + 1}, ValueError,
-     rf"decay_steps must be between 1 and total_steps - warmup_steps = {T - W}"),
+    ("decay_steps too long", {"scheduler_type": "wsd", "decay_steps": T + 1}, ValueError,
+     rf"decay_steps must be between 1 and total_steps = {T}"),
     ("decay_steps 0", {"scheduler_type": "wsd", "decay_steps": 0}, ValueError,
      r"decay_steps must be between 1"),
     ("decay_steps float", {"scheduler_type": "wsd", "decay_steps": 5.0}, TypeError,
@@ -528,18 +559,20 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
      {"scheduler_type": "wsd", "decay_steps": 5, "decay_fraction": 0.2}, ValueError,
      r"give decay_steps or decay_fraction, not both"),
     ("unknown decay_shape", {"scheduler_type": "wsd", "decay_shape": "exponental"}, ValueError,
-     r"unknown decay_shape 'exponental'\. Did you mean 'exponential'\?.*linear, cosine, exponential, "
-     r"minus_sqrt"),
+     r"unknown decay_shape 'exponental'\. Did you mean 'exponential'\?.*exponential, linear, "
+     r"cosine, minus_sqrt"),
     ("decay_shape not a str", {"scheduler_type": "wsd", "decay_shape": 2}, TypeError,
      r"decay_shape must be a str"),
-    ("lr_min above a peak", {"lr_min": 0.05}, ValueError,
-     r"lr_min=0\.05 is above the peak lr 0\.01 of param group 1"),
+    ("lr_min above lr", {"lr_min": 0.05, "lr": 0.01}, ValueError,
+     r"lr_min=0\.05 is above lr=0\.01; lr must be >= lr_min"),
+    ("lr not positive", {"lr": 0.0}, ValueError, r"lr must be > 0"),
     ("lr_min negative", {"lr_min": -1e-4}, ValueError, r"lr_min must be a finite number >= 0"),
     ("lr_min a str", {"lr_min": "1e-4"}, TypeError, r"lr_min must be a number"),
-    ("lr_min and min_lr_ratio", {"lr_min": 1e-4, "min_lr_ratio": 0.1}, ValueError,
-     r"Give lr_min .* or min_lr_ratio .*, not both"),
-    ("lr_min without min_lr_ratio", {"scheduler_type": "constant", "lr_min": 1e-4}, TypeError,
-     r"lr_min sets min_lr_ratio, which LR schedule 'constant' does not have"),
+    ("lr_min and min_lr_ratio", {"lr_min": 1e-5, "min_lr_ratio": 0.1}, ValueError,
+     r"Give lr_min or min_lr_ratio, not both"),
+    ("lr_min without min_lr_ratio", {"scheduler_type": "inverse_sqrt", "lr_min": 1e-5}, TypeError,
+     r"lr_min sets the option 'min_lr_ratio', which LR schedule 'inverse_sqrt' does not have"),
+    ("lr_start negative", {"lr_start": -1.0}, ValueError, r"lr_start must be a finite number >= 0"),
     ("warmup_ratio > 1", {"warmup_steps": 0, "warmup_ratio": 1.5}, ValueError,
      r"warmup_ratio must be in \[0, 1\]"),
     ("warmup_ratio and warmup_steps", {"warmup_ratio": 0.1}, ValueError,
@@ -548,9 +581,11 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
      r"warmup_ratio must be a number"),
     ("decay_style conflict", {"scheduler_type": "cosine", "decay_style": "linear"}, ValueError,
      r"scheduler_type='cosine' and decay_style='linear' name different LR schedules"),
-    ("wsd_decay_steps on cosine", {"wsd_decay_steps": 5}, TypeError,
-     r"wsd_decay_steps sets the option 'decay_steps', which LR schedule 'cosine' does not have"),
-    ("lr_wsd_decay_style on linear", {"scheduler_type": "linear", "lr_wsd_decay_style": "cosine"},
+    ("wsd_decay_steps on polynomial", {"scheduler_type": "polynomial", "wsd_decay_steps": 5},
+     TypeError, r"wsd_decay_steps sets the option 'decay_steps', which LR schedule 'polynomial' "
+     r"does not have"),
+    ("lr_wsd_decay_style on inverse_sqrt",
+     {"scheduler_type": "inverse_sqrt", "lr_wsd_decay_style": "cosine"},
      TypeError, r"lr_wsd_decay_style sets the option 'decay_shape'"),
     ("wsd_decay_steps and decay_steps",
      {"scheduler_type": "wsd", "wsd_decay_steps": 5, "decay_steps": 6}, ValueError,
@@ -599,8 +634,8 @@ def _plain(value: object) -> bool:
     ("name", "options"),
     [(name, {}) for name in BUILTINS]
     + [
-        ("wsd", {"decay_steps": 20, "decay_shape": "minus_sqrt", "lr_min": 1e-3}),
-        ("cosine", {"lr_min": 1e-3, "num_cycles": 0.4}),
+        ("wsd", {"decay_steps": 20, "decay_shape": "minus_sqrt", "lr_min": 1e-5}),
+        ("cosine", {"lr_min": 1e-5, "num_cycles": 0.4, "lr_start": 1e-5, "lr_decay_ratio": 0.8}),
     ],
 )
 def test_state_dict_round_trip_continues_with_identical_lrs(
@@ -635,9 +670,10 @@ def test_state_dict_holds_the_schedule_by_name_and_resolved_options() -> None:
         "decay_fraction": None,
         "decay_steps": None,
         "decay_shape": "cosine",
-        "min_lr_ratio": 0.0,
+        "min_lr_ratio": pytest.approx(1e-3),
+        "start_ratio": 0.0,
     }
-    assert (state["total_steps"], state["warmup_steps"], state["lr_min"]) == (T, W, None)
+    assert (state["total_steps"], state["warmup_steps"]) == (T, W)
 
 
 @pytest.mark.parametrize(
@@ -647,7 +683,10 @@ def test_state_dict_holds_the_schedule_by_name_and_resolved_options() -> None:
         ({"total_steps": T + 1}, rf"total_steps: saved {T}, here {T + 1}"),
         ({"warmup_steps": 0}, rf"warmup_steps: saved {W}, here 0"),
         ({"num_cycles": 1.0}, r"options: saved .*'num_cycles': 0\.5.*here .*'num_cycles': 1\.0"),
-        ({"lr_min": 1e-4}, r"lr_min: saved None, here 0\.0001"),
+        (
+            {"lr_min": 1e-5},
+            r"options: saved .*'min_lr_ratio': 0\.000999.*here .*'min_lr_ratio': 0\.1",
+        ),
     ],
 )
 def test_loading_a_state_saved_for_another_configuration_fails(
@@ -714,7 +753,7 @@ def test_third_party_schedule_is_selected_by_name_with_its_options() -> None:
         assert entry.plugin == name and entry.obj is step_decay
         optimizer = sgd(0.1, 0.01)
         scheduler = get_hyper_lr_scheduler(
-            optimizer, "multistep", total_steps=40, warmup_steps=2, gamma=0.1, every=5
+            optimizer, "multistep", total_steps=40, warmup_steps=2, gamma=0.1, every=5, lr_min=0
         )
         assert scheduler.schedule_name == "step_decay"
         assert scheduler.options == {"gamma": 0.1, "every": 5, "min_lr_ratio": 0.0}
@@ -728,10 +767,10 @@ def test_third_party_schedule_is_selected_by_name_with_its_options() -> None:
         # an option named min_lr_ratio makes lr_min work for a third party's schedule too
         floored = sgd(0.1, 0.01)
         scheduler = get_hyper_lr_scheduler(
-            floored, "step_decay", total_steps=40, gamma=0.01, lr_min=1e-3
+            floored, "step_decay", total_steps=40, gamma=0.01, lr_min=1e-5
         )
         run(floored, scheduler, 41)
-        assert lrs(floored) == pytest.approx([1e-3, 1e-3])
+        assert lrs(floored) == pytest.approx([0.01, 0.001])
     finally:
         unregister_plugin(name)
     with pytest.raises(UnknownPluginError, match="Unknown LR schedule 'step_decay'"):
@@ -754,3 +793,149 @@ def test_a_schedule_returning_a_bad_value_fails_before_touching_the_optimizer() 
         assert _snapshot(optimizer) == before
     finally:
         unregister_plugin(name)
+
+
+# -- HyperParallel's scheduler ------------------------------------------------------------------
+
+
+def hp_factor(
+    n: int,
+    *,
+    style: str,
+    total: int,
+    warmup: int = 0,
+    lr: float = 1e-4,
+    lr_min: float = 1e-7,
+    lr_start: float = 0.0,
+    lr_decay_ratio: float = 1.0,
+    wsd_decay_steps: int | None = None,
+    lr_wsd_decay_style: str = "exponential",
+) -> float:
+    """HyperParallel's OptimizerParamScheduler: the factor on each group's peak at step ``n``."""
+    r = lr_min / lr if lr > 0 else 0.0
+    if warmup > 0 and n < warmup:
+        return (lr_start + (lr - lr_start) * (float(n) / float(warmup))) / lr
+    if style == "constant":
+        return 1.0
+    if style == "WSD":
+        if n > total:
+            return r
+        anneal = total - (wsd_decay_steps or 0)
+        if n <= anneal:
+            return 1.0
+        x = float(n - anneal) / float(wsd_decay_steps or 1)
+        coeff = {
+            "linear": 1.0 - x,
+            "cosine": 0.5 * (math.cos(math.pi * x) + 1.0),
+            "exponential": 2.0 * (0.5**x) - 1.0,
+            "minus_sqrt": 1.0 - math.sqrt(x),
+        }[lr_wsd_decay_style]
+        return max(0.0, coeff) * (1 - r) + r
+    end = int(total * lr_decay_ratio)
+    if n > end:
+        return r
+    d = max(0.0, min(1.0, float(n - warmup) / float(max(1, end - warmup))))
+    if style == "linear":
+        return max(r, 1.0 - d)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * d)) * (1 - r) + r)
+
+
+HP_KEYWORDS = {
+    "lr": 3e-4,
+    "lr_min": 3e-6,
+    "lr_start": 1e-5,
+    "lr_decay_ratio": 0.8,
+    "wsd_decay_steps": 12,
+    "lr_wsd_decay_style": "cosine",
+}
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "WSD"])
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        {"warmup_steps": 7},  # the defaults (WSD needs its decay length)
+        {"warmup_ratio": 0.13, **HP_KEYWORDS},
+        {
+            "warmup_steps": 5,
+            **HP_KEYWORDS,
+            "lr_wsd_decay_style": "minus_sqrt",
+            "lr_decay_ratio": 1.0,
+        },
+        {"warmup_steps": 0, **HP_KEYWORDS, "lr_wsd_decay_style": "exponential"},
+        {"warmup_steps": 5, **HP_KEYWORDS, "lr_wsd_decay_style": "linear"},
+    ],
+    ids=["defaults", "all_keywords", "minus_sqrt", "no_warmup", "linear_wsd"],
+)
+def test_get_hyper_lr_scheduler_gives_hyper_parallels_lr_sequence(
+    style: str, keywords: dict[str, Any]
+) -> None:
+    from hyper_parallel.core.optimizer import ChainedOptimizer
+
+    keywords = dict(keywords)
+    if style == "WSD":
+        keywords.setdefault("wsd_decay_steps", 10)
+    total = 60
+    muon, adamw = sgd(0.02), sgd(3e-4, 1e-3)
+    chained = ChainedOptimizer({"adamw": adamw, "muon": muon})
+    scheduler = get_hyper_lr_scheduler(
+        optimizer=chained, decay_style=style, total_steps=total, **keywords
+    )
+    warmup = keywords.pop("warmup_steps", None)
+    if warmup is None:
+        warmup = int(total * keywords.pop("warmup_ratio"))
+    peaks = [0.02, 3e-4, 1e-3]
+    for n in range(total + 5):
+        factor = hp_factor(n, style=style, total=total, warmup=warmup, **keywords)
+        got = [g["lr"] for g in muon.param_groups + adamw.param_groups]
+        assert got == pytest.approx([p * factor for p in peaks], rel=1e-9, abs=0), n
+        chained.step()
+        scheduler.step()
+
+
+def test_one_scheduler_per_sub_optimizer_gives_the_same_lrs() -> None:
+    from hyper_parallel.core.optimizer import ChainedOptimizer, LRSchedulersContainer
+
+    pairs = []
+    for per_optimizer in (False, True):
+        chained = ChainedOptimizer({"adamw": sgd(3e-4), "muon": sgd(0.02)})
+        scheduler = get_hyper_lr_scheduler(
+            chained, "cosine", total_steps=20, warmup_steps=3, per_optimizer=per_optimizer
+        )
+        pairs.append((chained, scheduler))
+    (_, single), (_, container) = pairs
+    assert isinstance(container, LRSchedulersContainer) and len(container) == 2
+    assert isinstance(container["muon"], HyperLRScheduler)
+    for _ in range(22):
+        assert container.get_last_lr() == pytest.approx(single.get_last_lr(), rel=1e-12)
+        for opt, sched in pairs:
+            opt.step()
+            sched.step()
+    state = container.state_dict()
+    assert set(state) == {"adamw", "muon"}
+    with pytest.raises(ValueError, match=r"saved schedulers are \['muon'\]"):
+        container.load_state_dict({"muon": state["muon"]})
+
+
+def test_the_container_restores_the_saved_lr_before_the_first_resumed_step() -> None:
+    """HyperParallel's test_load_state_dict_restores_optimizer_learning_rate, ported."""
+    from types import SimpleNamespace
+
+    from hyper_parallel.core.optimizer import LRSchedulersContainer
+
+    def step_lr(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    source_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+    source = LRSchedulersContainer(
+        SimpleNamespace(optimizers_dict={"main": source_optimizer}), step_lr
+    )
+    source_optimizer.step()
+    source.step()
+    target_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.0)
+    target = LRSchedulersContainer(
+        SimpleNamespace(optimizers_dict={"main": target_optimizer}), step_lr
+    )
+    target.load_state_dict(source.state_dict())
+    assert target_optimizer.param_groups[0]["lr"] == 0.5
+    assert target.get_last_lr() == [0.5]

@@ -6,19 +6,22 @@ Each schedule is a plain function following the contract in
 ``fn(step, *, total_steps, warmup_steps, **options) -> float`` is the factor
 applied to every param group's own peak lr at ``step``.
 
-They share one shape. With ``s = step``, ``W = warmup_steps`` and
-``T = total_steps``:
+They share one shape, HyperParallel's. With ``s = step``, ``W = warmup_steps``
+and ``T = total_steps``:
 
-* warmup: for ``s < W`` the factor is ``s / W``, rising linearly from 0 (as in
-  Hugging Face ``transformers``; also when ``min_lr_ratio > 0``);
-* decay: afterwards the schedule's ``decay`` of the progress
-  ``p = (s - W) / (T - W)`` (``wsd`` measures its own decay window);
-* after ``T`` the factor stays at its final value.
+* warmup: for ``s < W`` the factor rises linearly from ``start_ratio`` (0 by
+  default) to 1: ``start_ratio + (1 - start_ratio) * s / W``;
+* decay: afterwards the schedule's decay of its progress, ending at ``T``
+  (``linear`` and ``cosine``: at ``int(T * decay_ratio)``; ``wsd``: over its
+  own last steps);
+* after the end the factor stays at its final value.
 
-Where a schedule has ``min_lr_ratio = r``, the decayed factor is
-``r + (1 - r) * decay``, so the lr ends at ``r`` times the peak instead of 0.
-Options are validated on every call (cheaply), so a bad value is reported
-when the scheduler is built, before it touches the optimizer.
+Where a schedule has ``min_lr_ratio = r``, the lr ends at ``r`` times the
+peak: ``cosine``, ``wsd``, ``polynomial`` and ``cosine_with_restarts`` decay
+``r + (1 - r) * decay``; ``linear`` is clipped, ``max(r, 1 - p)``, as
+HyperParallel's. Options are validated on every call (cheaply), so a bad
+value is reported when the scheduler is built, before it touches the
+optimizer.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ __all__ = [
 ]
 
 #: The decay shapes of ``wsd`` (``"1-sqrt"`` is accepted for ``"minus_sqrt"``).
-WSD_DECAY_SHAPES: tuple[str, ...] = ("linear", "cosine", "exponential", "minus_sqrt")
+WSD_DECAY_SHAPES: tuple[str, ...] = ("exponential", "linear", "cosine", "minus_sqrt")
 _WSD_SHAPE_ALIASES = {"1_sqrt": "minus_sqrt"}
 _WSD_DEFAULT_DECAY_FRACTION = 0.1
 _INVERSE_SQRT_DEFAULT_TIMESCALE = 10_000
@@ -72,6 +75,15 @@ def _check_min_lr_ratio(schedule: str, value: object) -> float:
     return ratio
 
 
+def _check_non_negative(schedule: str, option: str, value: object) -> float:
+    number = _real(schedule, option, value)
+    if not math.isfinite(number) or number < 0:
+        raise HyperParallelValueError(
+            f"LR schedule {schedule!r}: {option} must be a finite number >= 0, got {value!r}."
+        )
+    return number
+
+
 def _check_positive(schedule: str, option: str, value: object) -> float:
     number = _real(schedule, option, value)
     if not math.isfinite(number) or number <= 0:
@@ -84,17 +96,24 @@ def _check_positive(schedule: str, option: str, value: object) -> float:
 # -- shared shape ------------------------------------------------------------
 
 
-def _warmup(step: int, warmup_steps: int) -> float | None:
-    """The warmup factor ``s / W`` while ``step < warmup_steps``, else ``None``."""
-    return step / warmup_steps if step < warmup_steps else None
+def _warmup(schedule: str, step: int, warmup_steps: int, start_ratio: float) -> float | None:
+    """The warmup factor while ``step < warmup_steps`` (from ``start_ratio`` to 1), else ``None``."""
+    start = _check_non_negative(schedule, "start_ratio", start_ratio)
+    if step >= warmup_steps:
+        return None
+    return start + (1.0 - start) * (step / warmup_steps)
 
 
-def _progress(step: int, total_steps: int, warmup_steps: int) -> float:
-    """Progress ``(s - W) / (T - W)`` through the decay, clamped to ``[0, 1]``."""
-    span = total_steps - warmup_steps
-    if span <= 0 or step >= total_steps:
+def _decay_end(schedule: str, total_steps: int, decay_ratio: float) -> int:
+    """The step the decay ends at: ``int(total_steps * decay_ratio)``, as HyperParallel's."""
+    return int(total_steps * _check_non_negative(schedule, "decay_ratio", decay_ratio))
+
+
+def _progress(step: int, end: int, warmup_steps: int) -> float:
+    """Progress ``(s - W) / max(1, end - W)`` through the decay, clamped to ``[0, 1]``."""
+    if step > end:
         return 1.0
-    return max(0.0, (step - warmup_steps) / span)
+    return min(1.0, max(0.0, (step - warmup_steps) / max(1, end - warmup_steps)))
 
 
 def _floored(decay: float, min_lr_ratio: float) -> float:
@@ -104,26 +123,44 @@ def _floored(decay: float, min_lr_ratio: float) -> float:
 # -- schedules ---------------------------------------------------------------
 
 
-def constant(step: int, *, total_steps: int, warmup_steps: int) -> float:
-    """Warm up linearly, then hold the peak lr."""
-    warm = _warmup(step, warmup_steps)
-    return 1.0 if warm is None else warm
-
-
-def linear(step: int, *, total_steps: int, warmup_steps: int, min_lr_ratio: float = 0.0) -> float:
-    """Warm up linearly, then decay linearly to ``min_lr_ratio`` at ``total_steps``.
+def constant(step: int, *, total_steps: int, warmup_steps: int, start_ratio: float = 0.0) -> float:
+    """Warm up linearly, then hold the peak lr.
 
     Args:
         step: The step (0-based).
-        total_steps: Where the decay ends.
+        total_steps: Unused: a constant does not end.
         warmup_steps: Length of the linear warmup.
-        min_lr_ratio: Final lr as a fraction of the peak, in ``[0, 1]``.
+        start_ratio: Where the warmup starts, as a fraction of the peak.
+    """
+    warm = _warmup("constant", step, warmup_steps, start_ratio)
+    return 1.0 if warm is None else warm
+
+
+def linear(
+    step: int,
+    *,
+    total_steps: int,
+    warmup_steps: int,
+    min_lr_ratio: float = 0.0,
+    start_ratio: float = 0.0,
+    decay_ratio: float = 1.0,
+) -> float:
+    """Warm up linearly, then decay linearly, clipped at ``min_lr_ratio``: ``max(r, 1 - p)``.
+
+    Args:
+        step: The step (0-based).
+        total_steps: The schedule's length.
+        warmup_steps: Length of the linear warmup.
+        min_lr_ratio: Floor as a fraction of the peak, in ``[0, 1]``.
+        start_ratio: Where the warmup starts, as a fraction of the peak.
+        decay_ratio: The decay ends at ``int(total_steps * decay_ratio)``.
     """
     r = _check_min_lr_ratio("linear", min_lr_ratio)
-    warm = _warmup(step, warmup_steps)
+    end = _decay_end("linear", total_steps, decay_ratio)
+    warm = _warmup("linear", step, warmup_steps, start_ratio)
     if warm is not None:
         return warm
-    return _floored(1.0 - _progress(step, total_steps, warmup_steps), r)
+    return max(r, 1.0 - _progress(step, end, warmup_steps))
 
 
 def cosine(
@@ -133,6 +170,8 @@ def cosine(
     warmup_steps: int,
     num_cycles: float = 0.5,
     min_lr_ratio: float = 0.0,
+    start_ratio: float = 0.0,
+    decay_ratio: float = 1.0,
 ) -> float:
     """Warm up linearly, then follow a cosine to ``min_lr_ratio``.
 
@@ -141,18 +180,21 @@ def cosine(
 
     Args:
         step: The step (0-based).
-        total_steps: Where the decay ends.
+        total_steps: The schedule's length.
         warmup_steps: Length of the linear warmup.
         num_cycles: Number of cosine waves over the decay, positive.
         min_lr_ratio: Floor as a fraction of the peak, in ``[0, 1]``.
+        start_ratio: Where the warmup starts, as a fraction of the peak.
+        decay_ratio: The decay ends at ``int(total_steps * decay_ratio)``.
     """
     cycles = _check_positive("cosine", "num_cycles", num_cycles)
     r = _check_min_lr_ratio("cosine", min_lr_ratio)
-    warm = _warmup(step, warmup_steps)
+    end = _decay_end("cosine", total_steps, decay_ratio)
+    warm = _warmup("cosine", step, warmup_steps, start_ratio)
     if warm is not None:
         return warm
-    p = _progress(step, total_steps, warmup_steps)
-    return _floored(0.5 * (1.0 + math.cos(2.0 * math.pi * cycles * p)), r)
+    p = _progress(step, end, warmup_steps)
+    return max(0.0, _floored(0.5 * (1.0 + math.cos(2.0 * math.pi * cycles * p)), r))
 
 
 def cosine_with_restarts(
@@ -162,6 +204,7 @@ def cosine_with_restarts(
     warmup_steps: int,
     num_cycles: float = 1,
     min_lr_ratio: float = 0.0,
+    start_ratio: float = 0.0,
 ) -> float:
     """Warm up linearly, then ``num_cycles`` half-cosines, each restarting at the peak.
 
@@ -171,10 +214,11 @@ def cosine_with_restarts(
         warmup_steps: Length of the linear warmup.
         num_cycles: Number of hard restarts (cycles), positive.
         min_lr_ratio: Floor as a fraction of the peak, in ``[0, 1]``.
+        start_ratio: Where the warmup starts, as a fraction of the peak.
     """
     cycles = _check_positive("cosine_with_restarts", "num_cycles", num_cycles)
     r = _check_min_lr_ratio("cosine_with_restarts", min_lr_ratio)
-    warm = _warmup(step, warmup_steps)
+    warm = _warmup("cosine_with_restarts", step, warmup_steps, start_ratio)
     if warm is not None:
         return warm
     p = _progress(step, total_steps, warmup_steps)
@@ -189,6 +233,7 @@ def polynomial(
     warmup_steps: int,
     power: float = 1.0,
     min_lr_ratio: float = 0.0,
+    start_ratio: float = 0.0,
 ) -> float:
     """Warm up linearly, then decay as ``(1 - p) ** power`` to ``min_lr_ratio``.
 
@@ -200,17 +245,23 @@ def polynomial(
         warmup_steps: Length of the linear warmup.
         power: Exponent of the decay, positive (1.0 is linear).
         min_lr_ratio: Final lr as a fraction of the peak, in ``[0, 1]``.
+        start_ratio: Where the warmup starts, as a fraction of the peak.
     """
     exponent = _check_positive("polynomial", "power", power)
     r = _check_min_lr_ratio("polynomial", min_lr_ratio)
-    warm = _warmup(step, warmup_steps)
+    warm = _warmup("polynomial", step, warmup_steps, start_ratio)
     if warm is not None:
         return warm
     return _floored((1.0 - _progress(step, total_steps, warmup_steps)) ** exponent, r)
 
 
 def inverse_sqrt(
-    step: int, *, total_steps: int, warmup_steps: int, timescale: float | None = None
+    step: int,
+    *,
+    total_steps: int,
+    warmup_steps: int,
+    timescale: float | None = None,
+    start_ratio: float = 0.0,
 ) -> float:
     """Warm up linearly, then decay as ``1 / sqrt((s - W + timescale) / timescale)``.
 
@@ -222,12 +273,13 @@ def inverse_sqrt(
         warmup_steps: Length of the linear warmup.
         timescale: Positive; ``None`` means ``warmup_steps``, or 10,000 without
             warmup (as in Hugging Face).
+        start_ratio: Where the warmup starts, as a fraction of the peak.
     """
     if timescale is None:
         scale = float(warmup_steps or _INVERSE_SQRT_DEFAULT_TIMESCALE)
     else:
         scale = _check_positive("inverse_sqrt", "timescale", timescale)
-    warm = _warmup(step, warmup_steps)
+    warm = _warmup("inverse_sqrt", step, warmup_steps, start_ratio)
     if warm is not None:
         return warm
     s = min(step, total_steps)
@@ -266,10 +318,10 @@ def _wsd_decay_steps(
                 f"LR schedule 'wsd': decay_steps must be an int, got "
                 f"{type(decay_steps).__name__} {decay_steps!r}."
             )
-        if not 1 <= decay_steps <= after_warmup:
+        if not 1 <= decay_steps <= total_steps:
             raise HyperParallelValueError(
-                f"LR schedule 'wsd': decay_steps must be between 1 and total_steps - "
-                f"warmup_steps = {after_warmup}, got {decay_steps}."
+                f"LR schedule 'wsd': decay_steps must be between 1 and total_steps = "
+                f"{total_steps}, got {decay_steps}."
             )
         return int(decay_steps)
     fraction = (
@@ -292,17 +344,18 @@ def wsd(
     warmup_steps: int,
     decay_fraction: float | None = None,
     decay_steps: int | None = None,
-    decay_shape: str = "linear",
+    decay_shape: str = "exponential",
     min_lr_ratio: float = 0.0,
+    start_ratio: float = 0.0,
 ) -> float:
     """Warmup-stable-decay: warm up, hold the peak, then decay over the last steps.
 
     The decay window is the last ``D`` steps before ``total_steps``, with ``D``
     either ``decay_steps`` or ``round(decay_fraction * (T - W))`` (at least
     one step). With ``p`` the progress through that window the decay is
-    ``1 - p`` (linear), ``0.5 * (1 + cos(pi * p))`` (cosine),
-    ``2 * 0.5 ** p - 1`` (exponential, as in Megatron-LM) or ``1 - sqrt(p)``
-    (minus_sqrt).
+    ``2 * 0.5 ** p - 1`` (exponential, HyperParallel's default, as in
+    Megatron-LM), ``1 - p`` (linear), ``0.5 * (1 + cos(pi * p))`` (cosine)
+    or ``1 - sqrt(p)`` (minus_sqrt).
 
     Args:
         step: The step (0-based).
@@ -310,16 +363,18 @@ def wsd(
         warmup_steps: Length of the linear warmup.
         decay_fraction: Share of the steps after warmup spent decaying, in
             ``(0, 1]``; 0.1 when neither it nor ``decay_steps`` is given.
-        decay_steps: Length of the decay in steps, ``1 <= D <= T - W``;
-            exclusive with ``decay_fraction``.
-        decay_shape: ``"linear"``, ``"cosine"``, ``"exponential"`` or
+        decay_steps: Length of the decay in steps, ``1 <= D <= T`` (a window
+            that reaches into the warmup starts right after it); exclusive
+            with ``decay_fraction``.
+        decay_shape: ``"exponential"``, ``"linear"``, ``"cosine"`` or
             ``"minus_sqrt"`` (alias ``"1-sqrt"``).
         min_lr_ratio: Final lr as a fraction of the peak, in ``[0, 1]``.
+        start_ratio: Where the warmup starts, as a fraction of the peak.
     """
     shape = _wsd_shape(decay_shape)
     r = _check_min_lr_ratio("wsd", min_lr_ratio)
     window = _wsd_decay_steps(total_steps, warmup_steps, decay_fraction, decay_steps)
-    warm = _warmup(step, warmup_steps)
+    warm = _warmup("wsd", step, warmup_steps, start_ratio)
     if warm is not None:
         return warm
     start = total_steps - window

@@ -18,12 +18,17 @@ from hyper_parallel.core.optimizer._matrix import (
     momentum_updates,
 )
 from hyper_parallel.core.optimizer._nonfinite import grads_are_finite, step_if_finite
-from hyper_parallel.core.optimizer._scheduler import HyperLRScheduler, get_hyper_lr_scheduler
+from hyper_parallel.core.optimizer._scheduler import (
+    HyperLRScheduler,
+    LRSchedulersContainer,
+    get_hyper_lr_scheduler,
+)
 
 __all__ = [
     "AdamW",
     "ChainedOptimizer",
     "HyperLRScheduler",
+    "LRSchedulersContainer",
     "MainParams",
     "MatrixOptimizer",
     "Muon",

@@ -6,6 +6,13 @@ A schedule is a registered function ``fn(step, *, total_steps, warmup_steps,
 :class:`HyperLRScheduler` applies its factor to every param group of any
 :class:`torch.optim.Optimizer`, :class:`ChainedOptimizer` included, each group
 from its own peak lr: ``lr_g(s) = initial_lr_g * factor(s)``.
+:class:`LRSchedulersContainer` is one scheduler per sub-optimizer instead, as
+HyperParallel's container is.
+
+:func:`get_hyper_lr_scheduler` takes HyperParallel's keywords with their
+defaults: ``lr`` is the lr that ``lr_min`` and ``lr_start`` are relative to,
+so every group decays to ``lr_min / lr`` of its own peak (1e-7 / 1e-4 by
+default) and warms up from ``lr_start / lr`` of it.
 
 Everything is checked before the optimizer is touched, so a failed call
 leaves the optimizer exactly as it was. ``state_dict()`` holds only plain
@@ -20,9 +27,9 @@ import copy
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal, overload
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -32,16 +39,21 @@ from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.plugin import PluginKind, get_registry
 
-__all__ = ["HyperLRScheduler", "get_hyper_lr_scheduler"]
+__all__ = ["HyperLRScheduler", "LRSchedulersContainer", "get_hyper_lr_scheduler"]
 
 _ScheduleFn = Callable[..., float]
 
 _STEP_ARGS: Final = ("total_steps", "warmup_steps")
-#: Megatron-style keywords of ``get_hyper_lr_scheduler`` -> the schedule option they set.
-_OPTION_ALIASES: Final = {"wsd_decay_steps": "decay_steps", "lr_wsd_decay_style": "decay_shape"}
-_LR_MIN_TARGET: Final = "min_lr_ratio"
-_FACTORY_KEYWORDS: Final = ("decay_style", "scheduler_type", "warmup_ratio", *_STEP_ARGS)
-_CONFIG_KEYS: Final = ("schedule", "total_steps", "warmup_steps", "options", "lr_min")
+#: HyperParallel's scheduler keywords whose values are schedule options as they are.
+_OPTION_ALIASES: Final = {"wsd_decay_steps": "decay_steps", "lr_wsd_decay_style": "decay_shape",
+                          "lr_decay_ratio": "decay_ratio"}  # fmt: skip
+#: HyperParallel's keywords relative to its ``lr``: the schedule option ``value / lr`` sets.
+_RATIO_ALIASES: Final = {"lr_min": "min_lr_ratio", "lr_start": "start_ratio"}
+#: HyperParallel's decay styles: they take all of its keywords, and a keyword that does not
+#: shape a style (``lr_min`` for ``constant``) has no effect there, as in HyperParallel.
+_HYPER_PARALLEL_STYLES: Final = ("constant", "linear", "cosine", "wsd")
+_FACTORY_KEYWORDS: Final = ("decay_style", "scheduler_type", "warmup_ratio", "lr", *_STEP_ARGS)
+_CONFIG_KEYS: Final = ("schedule", "total_steps", "warmup_steps", "options")
 _STATE_KEYS: Final = (*_CONFIG_KEYS, "base_lrs", "last_epoch", "step_count", "last_lr")
 
 
@@ -86,8 +98,8 @@ def _signature(fn: _ScheduleFn) -> _Signature:
 def _describe_options(schedule: str, sig: _Signature) -> str:
     names = sorted(sig.options) + (["**options"] if sig.var_keyword else [])
     text = f"Options of LR schedule {schedule!r}: {', '.join(names) or '(none)'}."
-    extra = ["lr_min"] if _LR_MIN_TARGET in sig.options else []
-    extra += [alias for alias, target in _OPTION_ALIASES.items() if target in sig.options]
+    aliases = {**_OPTION_ALIASES, **_RATIO_ALIASES}
+    extra = [alias for alias, target in aliases.items() if target in sig.options]
     if extra:
         text += f" Also accepted: {', '.join(extra)}."
     return text
@@ -104,7 +116,7 @@ def _check_option_names(
                 f"schedule {schedule!r}; pass it as {key}=..."
             )
         if not sig.accepts(key):
-            candidates = [*sig.options, "lr_min", *_OPTION_ALIASES, *also]
+            candidates = [*sig.options, *_RATIO_ALIASES, *_OPTION_ALIASES, *also]
             raise HyperParallelTypeError(
                 f"Unknown keyword argument {key!r} for LR schedule {schedule!r}."
                 f"{did_you_mean(key, candidates)} {_describe_options(schedule, sig)}"
@@ -146,64 +158,29 @@ def _peak_lr(group: Mapping[str, Any], index: int) -> float:
     return float(value)
 
 
-def _check_lr_min(lr_min: object) -> float:
-    if isinstance(lr_min, bool) or not isinstance(lr_min, numbers.Real):
-        raise HyperParallelTypeError(
-            f"lr_min must be a number, got {type(lr_min).__name__} {lr_min!r}."
-        )
-    value = float(lr_min)
-    if not math.isfinite(value) or value < 0:
-        raise HyperParallelValueError(f"lr_min must be a finite number >= 0, got {lr_min!r}.")
-    return value
-
-
-def _group_options(
-    options: Mapping[str, Any], lr_min: float | None, peaks: list[float]
-) -> list[dict[str, Any]]:
-    """Each group's options: ``lr_min`` becomes that group's own ``min_lr_ratio``."""
-    if lr_min is None:
-        return [dict(options) for _ in peaks]
-    groups = []
-    for index, peak in enumerate(peaks):
-        if lr_min > peak:
-            raise HyperParallelValueError(
-                f"lr_min={lr_min!r} is above the peak lr {peak!r} of param group {index}; "
-                f"lr_min is an absolute floor and must not exceed any group's lr (smallest: "
-                f"{min(peaks)!r}). Lower it, or use min_lr_ratio for a fraction of each peak."
-            )
-        ratio = lr_min / peak if peak > 0 else 0.0
-        groups.append({**options, _LR_MIN_TARGET: min(ratio, 1.0)})
-    return groups
-
-
 def _probe(
     schedule: str,
     fn: _ScheduleFn,
     total_steps: int,
     warmup_steps: int,
-    groups: list[dict[str, Any]],
+    options: dict[str, Any],
 ) -> None:
     """Call the schedule at a few steps, so bad options fail before the optimizer changes."""
     steps = sorted(
         {0, warmup_steps, (warmup_steps + total_steps) // 2, total_steps, total_steps + 1}
     )
-    tried: list[dict[str, Any]] = []
-    for options in groups:
-        if options in tried:
-            continue
-        tried.append(options)
-        for step in steps:
-            value = fn(step, total_steps=total_steps, warmup_steps=warmup_steps, **options)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, numbers.Real)
-                or not math.isfinite(float(value))
-                or value < 0
-            ):
-                raise HyperParallelValueError(
-                    f"LR schedule {schedule!r} returned {value!r} at step {step}; a schedule "
-                    f"must return a finite float >= 0 (the factor on each group's peak lr)."
-                )
+    for step in steps:
+        value = fn(step, total_steps=total_steps, warmup_steps=warmup_steps, **options)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(float(value))
+            or value < 0
+        ):
+            raise HyperParallelValueError(
+                f"LR schedule {schedule!r} returned {value!r} at step {step}; a schedule "
+                f"must return a finite float >= 0 (the factor on each group's peak lr)."
+            )
 
 
 def _set_lr(group: dict[str, Any], lr: float | Tensor) -> None:
@@ -229,27 +206,20 @@ class HyperLRScheduler(LRScheduler):
         schedule: A registered schedule name (case-insensitive, ``-`` = ``_``).
         total_steps: Steps the schedule spans, at least 1; after it the lr
             stays at the schedule's final value.
-        warmup_steps: Steps of linear warmup from 0, ``0 <= W <= total_steps``.
-        lr_min: An absolute lr floor for schedules with a ``min_lr_ratio``
-            option: each group gets ``min_lr_ratio = lr_min / initial_lr_g``,
-            so ``lr_g = lr_min + (initial_lr_g - lr_min) * decay``. Exclusive
-            with ``min_lr_ratio``.
+        warmup_steps: Steps of linear warmup, ``0 <= W <= total_steps``.
         options: The schedule's own options (its keyword-only parameters).
 
     Attributes:
         schedule_name: The canonical registry name of the schedule.
         total_steps: As given.
         warmup_steps: As given.
-        options: The resolved options, defaults included (without the
-            per-group ``min_lr_ratio`` that ``lr_min`` implies).
-        lr_min: As given.
+        options: The resolved options, defaults included.
 
     Raises:
         UnknownPluginError: no schedule of that name is registered.
         TypeError: an option the schedule does not take (with a hint), or an
             argument of the wrong type.
-        ValueError: a value out of range (steps, ``lr_min``, or the
-            schedule's own checks).
+        ValueError: a value out of range (steps, or the schedule's own checks).
     """
 
     def __init__(
@@ -259,7 +229,6 @@ class HyperLRScheduler(LRScheduler):
         *,
         total_steps: int,
         warmup_steps: int = 0,
-        lr_min: float | None = None,
         options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(optimizer, Optimizer):
@@ -284,47 +253,29 @@ class HyperLRScheduler(LRScheduler):
             **{n: d for n, d in sig.options.items() if d is not inspect.Parameter.empty},
             **given,
         }
-        floor: float | None = None
-        if lr_min is not None:
-            if _LR_MIN_TARGET not in sig.options:
-                raise HyperParallelTypeError(
-                    f"lr_min sets {_LR_MIN_TARGET}, which LR schedule {entry.name!r} does not "
-                    f"have. {_describe_options(entry.name, sig)}"
-                )
-            if _LR_MIN_TARGET in given:
-                raise HyperParallelValueError(
-                    f"Give lr_min (an absolute floor) or min_lr_ratio (a fraction of each "
-                    f"group's peak), not both (got lr_min={lr_min!r}, "
-                    f"min_lr_ratio={given[_LR_MIN_TARGET]!r})."
-                )
-            floor = _check_lr_min(lr_min)
-            resolved.pop(_LR_MIN_TARGET)
-        peaks = [_peak_lr(g, i) for i, g in enumerate(optimizer.param_groups)]
-        groups = _group_options(resolved, floor, peaks)
-        _probe(entry.name, fn, total, warmup, groups)
+        for index, group in enumerate(optimizer.param_groups):
+            _peak_lr(group, index)  # a number, before torch reads it
+        _probe(entry.name, fn, total, warmup, resolved)
 
         self.schedule_name = entry.name
         self.total_steps = total
         self.warmup_steps = warmup
         self.options: dict[str, Any] = resolved
-        self.lr_min = floor
         self._schedule_fn = fn
-        self._group_options = groups
         super().__init__(optimizer)
 
-    def _factor(self, step: int, options: Mapping[str, Any]) -> float:
+    def factor(self, step: int) -> float:
+        """The schedule's factor on every group's peak lr at ``step``."""
         return float(
             self._schedule_fn(
-                step, total_steps=self.total_steps, warmup_steps=self.warmup_steps, **options
+                step, total_steps=self.total_steps, warmup_steps=self.warmup_steps, **self.options
             )
         )
 
     def get_lr(self) -> list[float | Tensor]:
         """The lr of every param group at ``last_epoch``: its peak times the factor."""
-        return [
-            base * self._factor(self.last_epoch, options)
-            for base, options in zip(self.base_lrs, self._group_options, strict=True)
-        ]
+        factor = self.factor(self.last_epoch)
+        return [base * factor for base in self.base_lrs]
 
     def _get_closed_form_lr(self) -> list[float | Tensor]:
         return self.get_lr()
@@ -340,7 +291,6 @@ class HyperLRScheduler(LRScheduler):
             "total_steps": self.total_steps,
             "warmup_steps": self.warmup_steps,
             "options": copy.deepcopy(self.options),
-            "lr_min": self.lr_min,
             "base_lrs": [float(b) for b in self.base_lrs],
             "last_epoch": self.last_epoch,
             "step_count": self._step_count,
@@ -352,7 +302,7 @@ class HyperLRScheduler(LRScheduler):
 
         Args:
             state_dict: What :meth:`state_dict` returned, from a scheduler with
-                the same schedule, steps, options and ``lr_min``.
+                the same schedule, steps and options.
 
         Raises:
             ValueError: the state is not a ``HyperLRScheduler``'s, was saved for
@@ -383,7 +333,6 @@ class HyperLRScheduler(LRScheduler):
                 f"The saved LR scheduler state has {len(base_lrs)} param groups; this "
                 f"optimizer has {len(self.optimizer.param_groups)}."
             )
-        self._group_options = _group_options(self.options, self.lr_min, base_lrs)
         self.base_lrs = list(base_lrs)
         self.last_epoch = int(state_dict["last_epoch"])
         self._step_count = int(state_dict["step_count"])
@@ -411,6 +360,7 @@ def _resolve_schedule_name(scheduler_type: str, decay_style: str | None) -> str:
 
 
 def _warmup_from_ratio(warmup_ratio: object, total_steps: object, warmup_steps: object) -> int:
+    """HyperParallel's ``warmup_ratio``: ``int(total_steps * warmup_ratio)`` warmup steps."""
     total = _check_int("total_steps", total_steps, minimum=1)
     if warmup_steps != 0:
         raise HyperParallelValueError(
@@ -425,7 +375,134 @@ def _warmup_from_ratio(warmup_ratio: object, total_steps: object, warmup_steps: 
         raise HyperParallelValueError(
             f"warmup_ratio must be in [0, 1] (a fraction of total_steps), got {warmup_ratio!r}."
         )
-    return round(float(warmup_ratio) * total)
+    return int(total * float(warmup_ratio))
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise HyperParallelTypeError(
+            f"{name} must be a number, got {type(value).__name__} {value!r}."
+        )
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise HyperParallelValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+    return number
+
+
+def _hyper_parallel_options(
+    schedule: str, sig: _Signature, options: dict[str, Any], given: Mapping[str, Any]
+) -> None:
+    """Put HyperParallel's keywords in ``options`` as the schedule's own options.
+
+    ``lr_min`` and ``lr_start`` become ``min_lr_ratio`` / ``start_ratio``
+    (over ``lr``); the others are the options they name. A keyword sets its
+    option where the schedule has it and the caller did not give the option
+    itself. A keyword that asks for something (set away from its default
+    and from "nothing": no floor, no start, the whole decay) is a
+    ``ValueError`` next to its option, and a ``TypeError`` for a schedule
+    without the option, except HyperParallel's own styles, where it has no
+    effect as in HyperParallel.
+    """
+    lr = _real("lr", given["lr"])
+    if lr <= 0:
+        raise HyperParallelValueError(
+            f"lr must be > 0 (the lr that lr_min and lr_start are relative to), got {lr!r}."
+        )
+    lr_min = _real("lr_min", given["lr_min"])
+    if lr_min > lr:
+        raise HyperParallelValueError(
+            f"lr_min={lr_min!r} is above lr={lr!r}; lr must be >= lr_min (the floor is "
+            "lr_min / lr of each group's peak lr)."
+        )
+    values = {
+        "min_lr_ratio": lr_min / lr,
+        "start_ratio": _real("lr_start", given["lr_start"]) / lr,
+        "decay_ratio": _real("lr_decay_ratio", given["lr_decay_ratio"]),
+        "decay_steps": given["wsd_decay_steps"],
+        "decay_shape": given["lr_wsd_decay_style"],
+    }
+    keywords = {**{v: k for k, v in _RATIO_ALIASES.items()},
+                **{v: k for k, v in _OPTION_ALIASES.items()}}  # fmt: skip
+    for option, value in values.items():
+        keyword = keywords[option]
+        explicit = given[keyword] != _HYPER_PARALLEL_DEFAULTS[keyword]
+        if keyword == "lr_min" and given["lr"] != _HYPER_PARALLEL_DEFAULTS["lr"]:
+            explicit = True  # the floor's ratio moved
+        explicit = explicit and value != _NEUTRAL.get(option, object())
+        if option not in sig.options:
+            if explicit and schedule not in _HYPER_PARALLEL_STYLES:
+                raise HyperParallelTypeError(
+                    f"{keyword} sets the option {option!r}, which LR schedule {schedule!r} does "
+                    f"not have. {_describe_options(schedule, sig)}"
+                )
+            continue
+        if option in options:
+            if explicit:
+                raise HyperParallelValueError(
+                    f"Give {keyword} or {option}, not both (got {keyword}={given[keyword]!r}, "
+                    f"{option}={options[option]!r})."
+                )
+            continue
+        options[option] = value
+
+
+#: What each option is when it asks for nothing: no floor, no warmup start, all of the decay.
+_NEUTRAL: Final[Mapping[str, Any]] = {
+    "min_lr_ratio": 0.0,
+    "start_ratio": 0.0,
+    "decay_ratio": 1.0,
+    "decay_steps": None,
+}
+
+#: HyperParallel's scheduler defaults: every group decays to 1e-7 / 1e-4 of its own peak.
+_HYPER_PARALLEL_DEFAULTS: Final[Mapping[str, Any]] = {
+    "lr": 1e-4,
+    "lr_min": 1e-7,
+    "lr_start": 0.0,
+    "lr_decay_ratio": 1.0,
+    "wsd_decay_steps": None,
+    "lr_wsd_decay_style": "exponential",
+}
+
+
+@overload
+def get_hyper_lr_scheduler(
+    optimizer: Optimizer,
+    scheduler_type: str = _DEFAULT_SCHEDULE,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    warmup_ratio: float = 0.0,
+    decay_style: str | None = None,
+    lr: float = 1e-4,
+    lr_min: float = 1e-7,
+    lr_start: float = 0.0,
+    lr_decay_ratio: float = 1.0,
+    wsd_decay_steps: int | None = None,
+    lr_wsd_decay_style: str = "exponential",
+    per_optimizer: Literal[False] = False,
+    **options: Any,
+) -> HyperLRScheduler: ...
+
+
+@overload
+def get_hyper_lr_scheduler(
+    optimizer: Optimizer,
+    scheduler_type: str = _DEFAULT_SCHEDULE,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    warmup_ratio: float = 0.0,
+    decay_style: str | None = None,
+    lr: float = 1e-4,
+    lr_min: float = 1e-7,
+    lr_start: float = 0.0,
+    lr_decay_ratio: float = 1.0,
+    wsd_decay_steps: int | None = None,
+    lr_wsd_decay_style: str = "exponential",
+    per_optimizer: Literal[True],
+    **options: Any,
+) -> LRSchedulersContainer: ...
 
 
 def get_hyper_lr_scheduler(
@@ -434,41 +511,60 @@ def get_hyper_lr_scheduler(
     *,
     total_steps: int,
     warmup_steps: int = 0,
+    warmup_ratio: float = 0.0,
+    decay_style: str | None = None,
+    lr: float = 1e-4,
+    lr_min: float = 1e-7,
+    lr_start: float = 0.0,
+    lr_decay_ratio: float = 1.0,
+    wsd_decay_steps: int | None = None,
+    lr_wsd_decay_style: str = "exponential",
+    per_optimizer: bool = False,
     **options: Any,
-) -> HyperLRScheduler:
+) -> HyperLRScheduler | LRSchedulersContainer:
     """Build a :class:`HyperLRScheduler` for ``optimizer`` from a schedule name.
+
+    Takes HyperParallel's keywords, with its defaults, so its scripts give
+    its lr sequence: every param group follows
+    ``lr_g(s) = peak_g * factor(s)`` from its own peak lr.
 
     Examples:
         >>> scheduler = get_hyper_lr_scheduler(
-        ...     optimizer, "cosine", total_steps=10_000, warmup_steps=500, lr_min=3e-5
+        ...     optimizer, scheduler_type="cosine", total_steps=10_000, warmup_steps=500
         ... )
-
-    HyperParallel / Megatron-LM keyword aliases:
-
-    * ``decay_style``: another name for ``scheduler_type``; give either. If
-      both are given they must name the same schedule (aliases resolved),
-      else ``ValueError``. (Leaving ``scheduler_type`` at its default is not
-      giving it.)
-    * ``lr_min``: an absolute floor; see :class:`HyperLRScheduler`.
-    * ``warmup_ratio``: ``warmup_steps = round(warmup_ratio * total_steps)``,
-      ratio in ``[0, 1]``; ``ValueError`` if ``warmup_steps`` is also non-zero.
-    * ``wsd_decay_steps`` -> the schedule's ``decay_steps``;
-      ``lr_wsd_decay_style`` -> its ``decay_shape``. Each is a ``TypeError``
-      for a schedule without that option, and a ``ValueError`` together with
-      the option it stands for.
 
     Args:
         optimizer: Any :class:`torch.optim.Optimizer`, including
-            :class:`~hyper_parallel.core.optimizer.ChainedOptimizer`; every
-            param group follows the schedule from its own lr.
+            :class:`~hyper_parallel.core.optimizer.ChainedOptimizer`.
         scheduler_type: A registered schedule (``hyper-parallel plugins``
             lists them): built in are ``constant`` (``constant_with_warmup``),
             ``linear``, ``cosine``, ``cosine_with_restarts``, ``polynomial``,
-            ``inverse_sqrt`` and ``wsd``.
+            ``inverse_sqrt`` and ``wsd`` (``WSD``).
         total_steps: Steps the schedule spans, at least 1.
-        warmup_steps: Steps of linear warmup from 0, at most ``total_steps``.
-        **options: The schedule's options (e.g. ``num_cycles``,
-            ``min_lr_ratio``) and the aliases above.
+        warmup_steps: Steps of linear warmup, at most ``total_steps``.
+        warmup_ratio: HyperParallel's: ``int(warmup_ratio * total_steps)``
+            warmup steps, ratio in ``[0, 1]``; not together with ``warmup_steps``.
+        decay_style: HyperParallel's name for ``scheduler_type``; give either
+            (both must name the same schedule).
+        lr: The lr ``lr_min`` and ``lr_start`` are relative to (not a group's
+            peak, which is its own ``lr``).
+        lr_min: The floor: each group decays to ``lr_min / lr`` of its peak
+            (the schedule's ``min_lr_ratio``).
+        lr_start: Each group's warmup starts at ``lr_start / lr`` of its peak
+            (``start_ratio``).
+        lr_decay_ratio: ``linear`` and ``cosine`` end their decay at
+            ``int(total_steps * lr_decay_ratio)`` and hold the floor after
+            (``decay_ratio``).
+        wsd_decay_steps: ``wsd``'s decay length (``decay_steps``; default a
+            tenth of the steps after warmup).
+        lr_wsd_decay_style: ``wsd``'s decay shape: ``exponential``,
+            ``linear``, ``cosine`` or ``minus_sqrt`` (``decay_shape``).
+        per_optimizer: One scheduler per sub-optimizer of a
+            :class:`~hyper_parallel.core.optimizer.ChainedOptimizer`, in an
+            :class:`LRSchedulersContainer`, as HyperParallel's container; the
+            same lrs either way.
+        **options: The schedule's own options (e.g. ``num_cycles``,
+            ``min_lr_ratio``).
 
     Returns:
         The scheduler; it has already set every group's lr for step 0.
@@ -476,39 +572,113 @@ def get_hyper_lr_scheduler(
     Raises:
         UnknownPluginError: an unknown schedule name (the message lists them).
         TypeError: an unknown option (with a did-you-mean and the schedule's
-            options), or a wrong type (e.g. a float ``total_steps``).
-        ValueError: out-of-range steps or option values, or conflicting
-            aliases. Nothing about the optimizer has changed when any of these
-            is raised.
+            options), a HyperParallel keyword set for a schedule without its
+            option, or a wrong type (e.g. a float ``total_steps``).
+        ValueError: out-of-range steps or option values, or a keyword given
+            with the option it stands for. Nothing about the optimizer has
+            changed when any of these is raised.
     """
-    decay_style = options.pop("decay_style", None)
-    warmup_ratio = options.pop("warmup_ratio", None)
-    lr_min = options.pop("lr_min", None)
     name = _resolve_schedule_name(scheduler_type, decay_style)
     entry = get_registry().get(PluginKind.LR_SCHEDULER, name)
     sig = _signature(entry.obj)
-    for alias, target in _OPTION_ALIASES.items():
-        if alias not in options:
-            continue
-        if target not in sig.options:
-            raise HyperParallelTypeError(
-                f"{alias} sets the option {target!r}, which LR schedule {entry.name!r} does "
-                f"not have. {_describe_options(entry.name, sig)}"
-            )
-        if target in options:
-            raise HyperParallelValueError(
-                f"Give {alias} or {target}, not both (got {alias}={options[alias]!r}, "
-                f"{target}={options[target]!r})."
-            )
-        options[target] = options.pop(alias)
     _check_option_names(entry.name, options, sig, also=_FACTORY_KEYWORDS)
-    if warmup_ratio is not None:
+    given = {
+        "lr": lr,
+        "lr_min": lr_min,
+        "lr_start": lr_start,
+        "lr_decay_ratio": lr_decay_ratio,
+        "wsd_decay_steps": wsd_decay_steps,
+        "lr_wsd_decay_style": lr_wsd_decay_style,
+    }
+    _hyper_parallel_options(entry.name, sig, options, given)
+    if warmup_ratio:
         warmup_steps = _warmup_from_ratio(warmup_ratio, total_steps, warmup_steps)
-    return HyperLRScheduler(
+    if not per_optimizer:
+        return HyperLRScheduler(
+            optimizer, entry.name, total_steps=total_steps, warmup_steps=warmup_steps,
+            options=options,
+        )  # fmt: skip
+    return LRSchedulersContainer(
         optimizer,
-        entry.name,
-        total_steps=total_steps,
-        warmup_steps=warmup_steps,
-        lr_min=lr_min,
-        options=options,
+        lambda sub: HyperLRScheduler(
+            sub, entry.name, total_steps=total_steps, warmup_steps=warmup_steps, options=options
+        ),
     )
+
+
+class LRSchedulersContainer:
+    """One LR scheduler per sub-optimizer of a chain, stepped as one (HyperParallel's container).
+
+    Args:
+        optimizer: A :class:`~hyper_parallel.core.optimizer.ChainedOptimizer`
+            (anything with ``optimizers_dict``).
+        scheduler: ``scheduler(sub_optimizer)`` makes each one's scheduler,
+            e.g. ``lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)``; or
+            a mapping from sub-optimizer name to such a callable.
+
+    Attributes:
+        schedulers: The schedulers, in the chain's order.
+    """
+
+    def __init__(
+        self,
+        optimizer: Any,
+        scheduler: Callable[[Optimizer], LRScheduler]
+        | Mapping[str, Callable[[Optimizer], LRScheduler]],
+    ) -> None:
+        optimizers = getattr(optimizer, "optimizers_dict", None)
+        if not isinstance(optimizers, Mapping):
+            raise HyperParallelTypeError(
+                f"LRSchedulersContainer needs a ChainedOptimizer, got {type(optimizer).__name__}; "
+                "for a single optimizer use its scheduler directly."
+            )
+        makers = (
+            scheduler if isinstance(scheduler, Mapping) else dict.fromkeys(optimizers, scheduler)
+        )
+        if set(makers) != set(optimizers):
+            raise HyperParallelValueError(
+                f"LRSchedulersContainer got schedulers for {sorted(makers)}; the chain has "
+                f"{sorted(optimizers)}. Give one per sub-optimizer."
+            )
+        self._by_name = {name: makers[name](sub) for name, sub in optimizers.items()}
+        self.schedulers = list(self._by_name.values())
+
+    def __getitem__(self, name: str) -> LRScheduler:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[LRScheduler]:
+        return iter(self.schedulers)
+
+    def __len__(self) -> int:
+        return len(self.schedulers)
+
+    def step(self) -> None:
+        """Step every scheduler, in the chain's order."""
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        """Every group's lr, sub-optimizer by sub-optimizer, in the chain's order."""
+        return [float(lr) for scheduler in self.schedulers for lr in scheduler.get_last_lr()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each scheduler's state, keyed by its sub-optimizer's name."""
+        return {name: scheduler.state_dict() for name, scheduler in self._by_name.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load each scheduler's state by name; the groups' lrs move to the saved position.
+
+        Raises:
+            ValueError: the names differ from this container's.
+        """
+        if set(state_dict) != set(self._by_name):
+            raise HyperParallelValueError(
+                f"The saved schedulers are {sorted(state_dict)}; this container has "
+                f"{sorted(self._by_name)}. Build it for the same sub-optimizers."
+            )
+        for name, scheduler in self._by_name.items():
+            scheduler.load_state_dict(copy.deepcopy(dict(state_dict[name])))
+            for group, lr in zip(
+                scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True
+            ):
+                _set_lr(group, lr)
