@@ -21,7 +21,7 @@ from hyper_parallel import (
     get_hyper_optimizer,
     grads_are_finite,
 )
-from hyper_parallel.checkpoint import CheckpointError, CheckpointManager
+from hyper_parallel.checkpoint import CheckpointManager
 from hyper_parallel.core.distributed import clip_grad_norm_
 
 STEPS = 60
@@ -135,17 +135,69 @@ def test_resume_is_bitwise_through_hyper_parallel_checkpoint(tmp_path: Path) -> 
         assert torch.equal(a, b)
 
 
-def test_checkpoint_with_and_without_main_copies_do_not_mix(tmp_path: Path) -> None:
+def test_a_checkpoint_without_main_copies_rebuilds_them_and_the_reverse_drops_them(
+    tmp_path: Path,
+) -> None:
     model, opt = _build()
-    _train(model, opt, 1)
-    checkpoint.save(tmp_path / "mains", model=model, optimizer=opt, step=1)
+    _train(model, opt, 2)
+    checkpoint.save(tmp_path / "mains", model=model, optimizer=opt, step=2)
     plain_model = _bf16_model()
     plain = get_hyper_optimizer(plain_model, **FAMILIES)
-    with pytest.raises(CheckpointError, match=r"holds fp32 main params.*fp32_main_params=True"):
+    with pytest.warns(UserWarning, match="holds fp32 main params, but this optimizer keeps none"):
         checkpoint.load(tmp_path / "mains", model=plain_model, optimizer=plain)
-    checkpoint.save(tmp_path / "plain", model=plain_model, optimizer=plain, step=0)
-    with pytest.raises(CheckpointError, match=r"holds none.*fp32_main_params=False"):
-        checkpoint.load(tmp_path / "plain", model=model, optimizer=opt)
+    for p, q in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)  # the model, rounded as saved
+    _train(plain_model, plain, 1)
+
+    checkpoint.save(tmp_path / "plain", model=plain_model, optimizer=plain, step=3)
+    fresh_model, fresh = _build()
+    with pytest.warns(
+        UserWarning, match="initialized the fp32 main parameters.*cannot be recovered"
+    ):
+        checkpoint.load(tmp_path / "plain", model=fresh_model, optimizer=fresh)
+    for param, main in fresh.main_params or ():
+        assert torch.equal(main, param.float())  # remade from the loaded params
+    _train(fresh_model, fresh, 1)
+
+
+def test_state_dicts_with_and_without_main_copies_load_both_ways() -> None:
+    model, opt = _build()
+    _train(model, opt, 2)
+    plain_model = copy.deepcopy(model)
+    plain = get_hyper_optimizer(plain_model, **FAMILIES)
+    with pytest.warns(UserWarning, match="this optimizer keeps none"):
+        plain.load_state_dict(copy.deepcopy(opt.state_dict()))
+    saved = copy.deepcopy(plain.state_dict())
+    assert "main_params" not in saved
+    with pytest.warns(UserWarning, match="has no fp32 main params"):
+        opt.load_state_dict(saved)
+    for param, main in opt.main_params or ():
+        assert torch.equal(main, param.float())
+
+
+def test_main_grad_is_the_gradient_of_the_main_copies_and_of_fp32_params() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8, bias=False), nn.Linear(8, 2)).to(torch.bfloat16)
+    model[1].bias.data = model[1].bias.data.float()  # an fp32 param among bf16 ones
+    reference = copy.deepcopy(model).float()
+    opt = get_hyper_optimizer(model, muon={}, adamw={}, fp32_main_params=True)
+    ref_opt = get_hyper_optimizer(reference, muon={}, adamw={})
+    for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        main_grad = torch.randn(param.shape)  # fp32: finer than a bf16 .grad could hold
+        param.main_grad = main_grad  # type: ignore[attr-defined]
+        param.grad = torch.full_like(param, 1e3)  # not read where a main_grad is present
+        ref.grad = main_grad.clone()
+    opt.step()
+    ref_opt.step()
+    mains = {id(p): m for p, m in opt.main_params or ()}
+    assert len(mains) == 2
+    for param, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        stepped = mains.get(id(param), param)
+        assert torch.equal(stepped, ref)
+        if id(param) in mains:
+            assert param.grad is None  # released: its main copy held the gradient
+    opt.zero_grad()
+    assert all(getattr(p, "main_grad", None) is None for p in model.parameters())
 
 
 def test_state_dict_round_trip_and_copies_keep_their_own_main_copies() -> None:

@@ -83,6 +83,10 @@ from hyper_parallel.checkpoint._state import (
 )
 from hyper_parallel.core._torch_private import checkpoint_fqn
 from hyper_parallel.core.errors import HyperParallelValueError
+from hyper_parallel.core.optimizer._main_params import (
+    warn_main_params_dropped,
+    warn_main_params_rebuilt,
+)
 
 __all__ = [
     "CheckpointError",
@@ -243,7 +247,8 @@ def _load_verified(
     model_sd = get_model_state_dict(model)
     current: dict[str, Any] = {}
     tensors: dict[str, Any] = {"model": model_sd, "optim": {}}
-    if view.mains:
+    saved_mains = bool(meta.get("main_params"))
+    if view.mains and saved_mains:
         tensors["main"] = view.mains  # DCP loads into the main copies in place
     for name, opt in named.items():
         current[name] = get_optimizer_state_dict(view.module, opt)  # creates lazy state
@@ -256,6 +261,11 @@ def _load_verified(
         except CheckpointException as exc:
             raise CheckpointError(f"{ckpt} does not fit the objects given: {reason(exc)}") from exc
     set_model_state_dict(model, model_sd)
+    if view.mains and not saved_mains:
+        view.main_params.params_to_mains()
+        warn_main_params_rebuilt(str(ckpt))
+    elif saved_mains and not view.mains:
+        warn_main_params_dropped(str(ckpt))
     for name, opt in named.items():
         _restore_plain(current[name], meta["optimizer_plain"][name], tensors["optim"][name])
         set_optimizer_state_dict(view.module, opt, current[name])
@@ -310,15 +320,10 @@ def _check_fits(
 
 
 def _check_main_params(ckpt: Path, meta: Mapping[str, Any], view: OptimizerView) -> None:
+    """Main copies saved and kept must be of the same params (one side without them is fine)."""
     saved, have = meta.get("main_params", []), sorted(view.mains)
-    if saved == have:
+    if saved == have or not saved or not have:
         return
-    if not saved or not have:
-        held, given = ("holds", "has none") if saved else ("holds none", "has them")
-        raise CheckpointError(
-            f"{ckpt} {held} fp32 main params, but the optimizer given {given}; build the "
-            f"optimizer as it was saved (get_hyper_optimizer(..., fp32_main_params={bool(saved)}))."
-        )
     raise CheckpointError(
         f"{ckpt} holds fp32 main params for {len(saved)} params, the optimizer given has them "
         f"for {len(have)}; they differ at "

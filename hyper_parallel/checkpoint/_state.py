@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from hyper_parallel.checkpoint._errors import CheckpointError
 from hyper_parallel.core._torch_private import checkpoint_fqn
+from hyper_parallel.core.optimizer import MainParams
 
 __all__ = [
     "GROUP_TENSOR_PREFIX",
@@ -58,6 +59,7 @@ class OptimizerView:
         mains = getattr(optimizer, "main_params", None)
         self.module = model
         self.mains: dict[str, torch.Tensor] = {}
+        self.main_params: MainParams = mains if mains is not None else MainParams()
         if mains is None or not len(mains):
             return
         self.module = nn.Module()

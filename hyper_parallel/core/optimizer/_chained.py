@@ -15,7 +15,11 @@ from hyper_parallel.core.errors import (
     HyperParallelTypeError,
     HyperParallelValueError,
 )
-from hyper_parallel.core.optimizer._main_params import MainParams
+from hyper_parallel.core.optimizer._main_params import (
+    MainParams,
+    warn_main_params_dropped,
+    warn_main_params_rebuilt,
+)
 
 __all__ = ["MAIN_PARAMS_KEY", "ChainedOptimizer"]
 
@@ -344,16 +348,20 @@ class ChainedOptimizer(Optimizer):
         """Load a state dict produced by :meth:`state_dict`.
 
         Everything is validated before any sub-optimizer is changed, so a
-        mismatched state dict leaves this optimizer as it was.
+        mismatched state dict leaves this optimizer as it was. A state dict
+        saved without fp32 main params loads into a chain that keeps them:
+        the copies are remade from the (already loaded) model params, with a
+        warning. One saved with them loads into a chain without: they are
+        dropped, with a warning.
         """
         sd: Mapping[str, Any] = state_dict
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, sd)  # type: ignore[arg-type]
             if result is not None:
                 sd = result
-        expected = {*self.optimizers, *([MAIN_PARAMS_KEY] if self.main_params is not None else [])}
+        expected = set(self.optimizers)
         missing = sorted(expected - set(sd))
-        unexpected = sorted(set(sd) - expected)
+        unexpected = sorted(set(sd) - expected - {MAIN_PARAMS_KEY})
         if missing or unexpected:
             raise HyperParallelValueError(
                 "ChainedOptimizer state dict does not match its sub-optimizers: "
@@ -362,14 +370,21 @@ class ChainedOptimizer(Optimizer):
             )
         for name, opt in self.optimizers.items():
             _check_compatible(name, opt, sd[name])
-        if self.main_params is not None:
-            _check_mains_compatible(self.main_params, sd[MAIN_PARAMS_KEY])
+        mains = self.main_params if self.main_params is not None and len(self.main_params) else None
+        saved_mains = sd.get(MAIN_PARAMS_KEY)
+        if mains is not None and saved_mains is not None:
+            _check_mains_compatible(mains, saved_mains)
         for name, opt in self.optimizers.items():
             opt.load_state_dict(sd[name])
-        if self.main_params is not None:
+        if mains is not None and saved_mains is not None:
             with torch.no_grad():
-                for (_, main), saved in zip(self.main_params, sd[MAIN_PARAMS_KEY], strict=True):
+                for (_, main), saved in zip(mains, saved_mains, strict=True):
                     main.copy_(saved)
+        elif mains is not None:
+            mains.params_to_mains()
+            warn_main_params_rebuilt("The state dict")
+        elif saved_mains:
+            warn_main_params_dropped("The state dict")
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

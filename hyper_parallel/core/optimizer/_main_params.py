@@ -7,9 +7,14 @@ low-precision param. The optimizers hold and step the main copies, so their
 state is fp32 too; around each step the chain moves the gradients in and the
 rounded values out:
 
-1. ``main.grad = param.grad`` upcast to fp32;
+1. ``main.grad`` = the param's gradient upcast to fp32: its ``main_grad``
+   where it has one (a gradient accumulated in fp32, as Megatron-style
+   training keeps it), else its ``.grad``, which is then released;
 2. the optimizers step the main copies;
 3. ``param`` becomes ``main`` rounded to its dtype (round to nearest even).
+
+An fp32 param needs no copy and steps itself; where it has a ``main_grad``,
+that becomes its ``.grad``.
 
 A main copy is made from the param itself (``param.detach().float()``), so a
 sharded param (a DTensor under ``fully_shard``) gets a main copy sharded the
@@ -18,6 +23,7 @@ same way, and the optimizers see the same layout they would see without it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -25,10 +31,49 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = ["MAIN_DTYPE", "MainParams", "grad_tensors", "needs_main_copy"]
+__all__ = [
+    "MAIN_DTYPE",
+    "MAIN_GRAD_ATTR",
+    "MainParams",
+    "grad_tensors",
+    "needs_main_copy",
+    "warn_main_params_dropped",
+    "warn_main_params_rebuilt",
+]
 
 #: The dtype of every main copy.
 MAIN_DTYPE = torch.float32
+
+#: The attribute of a param that holds its fp32 gradient, where training keeps one.
+MAIN_GRAD_ATTR = "main_grad"
+
+
+def _gradient(param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s ``main_grad`` where it has one, else its ``.grad``."""
+    main_grad = getattr(param, MAIN_GRAD_ATTR, None)
+    return param.grad if main_grad is None else main_grad
+
+
+def warn_main_params_rebuilt(source: str) -> None:
+    """Warn that main copies were remade from the params, as a checkpoint had none."""
+    warnings.warn(
+        f"{source} has no fp32 main params; initialized the fp32 main parameters from the "
+        "loaded model parameters. Values not representable in the model precision cannot be "
+        "recovered.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def warn_main_params_dropped(source: str) -> None:
+    """Warn that a checkpoint's main copies were not loaded, as the optimizer keeps none."""
+    warnings.warn(
+        f"{source} holds fp32 main params, but this optimizer keeps none "
+        "(fp32_main_params=False): they were dropped, and training continues from the model's "
+        "own params. Build the optimizer with fp32_main_params=True to keep them.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def needs_main_copy(param: torch.Tensor) -> bool:
@@ -66,14 +111,19 @@ class MainParams:
         self._pairs: list[tuple[torch.Tensor, nn.Parameter]] = []
         self._main: dict[int, nn.Parameter] = {}
         self._param: dict[int, torch.Tensor] = {}
+        self._own: dict[int, torch.Tensor] = {}  # params precise enough to step themselves
         for param in params:
             self.add(param)
 
     def add(self, param: torch.Tensor) -> torch.Tensor:
         """Make ``param``'s main copy if it needs one and has none; return :meth:`main_of`."""
-        if needs_main_copy(param) and id(param) not in self._main and id(param) not in self._param:
+        if id(param) in self._main or id(param) in self._param:
+            return self.main_of(param)
+        if needs_main_copy(param):
             main = nn.Parameter(param.detach().to(MAIN_DTYPE), requires_grad=param.requires_grad)
             self._pair(param, main)
+        else:
+            self._own[id(param)] = param
         return self.main_of(param)
 
     def main_of(self, param: torch.Tensor) -> torch.Tensor:
@@ -101,10 +151,20 @@ class MainParams:
 
     @torch.no_grad()
     def grads_to_mains(self) -> None:
-        """Give each main copy its param's gradient, upcast (``None`` stays ``None``)."""
+        """Give each main copy its param's gradient, upcast (``None`` stays ``None``).
+
+        The gradient is the param's ``main_grad`` where it has one, else its
+        ``.grad``, which is released (the main copy now holds it). An fp32
+        param with a ``main_grad`` gets it as its ``.grad``.
+        """
         for param, main in self._pairs:
-            grad = param.grad
+            grad = _gradient(param)
             main.grad = None if grad is None else grad.to(MAIN_DTYPE)
+            param.grad = None
+        for param in self._own.values():
+            main_grad = getattr(param, MAIN_GRAD_ATTR, None)
+            if main_grad is not None:
+                param.grad = main_grad.to(param.dtype)
 
     @torch.no_grad()
     def mains_to_params(self) -> None:
@@ -113,22 +173,40 @@ class MainParams:
             param.copy_(main)
             main.grad = None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients of the params (where backward writes them) and of the main copies."""
+    @torch.no_grad()
+    def params_to_mains(self) -> None:
+        """Make each main copy its param again (after the params were loaded without them).
+
+        What the params' precision could not hold (the low bits of the fp32
+        values) is lost: the copies restart from the rounded values.
+        """
         for param, main in self._pairs:
-            for tensor in (param, main):
-                if tensor.grad is None:
-                    continue
+            main.copy_(param)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients of the params (``.grad`` and ``main_grad``) and of the main copies."""
+        tensors = [t for pair in self._pairs for t in pair] + list(self._own.values())
+        for tensor in tensors:
+            main_grad = getattr(tensor, MAIN_GRAD_ATTR, None)
+            if main_grad is not None:
                 if set_to_none:
-                    tensor.grad = None
+                    setattr(tensor, MAIN_GRAD_ATTR, None)
                 else:
-                    tensor.grad.detach_().zero_()
+                    main_grad.detach_().zero_()
+            if tensor.grad is None:
+                continue
+            if set_to_none:
+                tensor.grad = None
+            else:
+                tensor.grad.detach_().zero_()
 
     def __getstate__(self) -> dict[str, Any]:
         # The lookups are by id(), which a copy (deepcopy, pickle) does not keep.
-        return {"pairs": self._pairs}
+        return {"pairs": self._pairs, "own": list(self._own.values())}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
         for param, main in state["pairs"]:
             self._pair(param, main)
+        for param in state.get("own", ()):
+            self._own[id(param)] = param
