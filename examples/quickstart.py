@@ -9,7 +9,8 @@ The user guide's flow, end to end, in a few seconds on a CPU:
    everything else (embedding, norms, biases, ``lm_head``) to AdamW;
 3. ``get_hyper_optimizer``, which builds both and chains them into one
    ``ChainedOptimizer``, and ``get_hyper_lr_scheduler`` with a cosine
-   schedule that drives each param group from its own peak lr;
+   schedule that drives each param group from its own peak lr (down to a
+   thousandth of it, HyperParallel's default floor);
 4. a training loop on a synthetic next-token task (every token has one fixed
    successor, so the loss can fall from ``ln(vocab)`` towards 0), printing the
    loss and each sub-optimizer's lr;
@@ -167,7 +168,7 @@ def train_step(
     """One step of the guide's loop; returns the loss before the update."""
     loss = next_token_loss(model, ids)
     loss.backward()
-    optimizer.step()  # steps Muon, then AdamW
+    optimizer.step()  # steps AdamW, then Muon
     optimizer.zero_grad()
     scheduler.step()
     return float(loss.detach())

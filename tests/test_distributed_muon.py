@@ -158,11 +158,13 @@ def _batch() -> torch.Tensor:
     return torch.randint(0, 32, (4, 9), generator=gen)
 
 
-def _optimizer(model: torch.nn.Module, **extra: Any) -> Any:
+def _optimizer(
+    model: torch.nn.Module, muon_kwargs: dict[str, Any] | None = None, **extra: Any
+) -> Any:
     return get_hyper_optimizer(
         model,
         partitioner="by_shape",
-        muon_kwargs={"lr": 0.02, "weight_decay": 0.01},
+        muon_kwargs={"lr": 0.02, "weight_decay": 0.01, **(muon_kwargs or {})},
         adamw_kwargs={"lr": 3e-3},
         **extra,
     )
@@ -287,6 +289,60 @@ def _check_teams(mesh: Any, rows: slice, sizes: tuple[int, ...], label: str) -> 
             _optimizer(model).step()
 
 
+def _check_callables(mesh: Any, rows: slice, label: str) -> None:
+    """HyperParallel's reshape_fn and post_update_fn on the owner path: whole matrices, one's numbers."""
+    torch.manual_seed(0)
+    reference = TinyLM(qkv_bias=False)
+    model = _sharded_copy(reference, mesh)
+    full_shapes = {name: tuple(p.shape) for name, p in reference.named_parameters()}
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    updated: list[str | None] = []
+
+    def halves(name: str, update: torch.Tensor) -> list[torch.Tensor]:
+        seen.append((name, tuple(update.shape)))
+        return list(update.chunk(2, dim=-1))
+
+    def record(param: torch.Tensor, local: torch.Tensor, context: Any) -> None:
+        updated.append(context.param_fqn)
+
+    callables = {"reshape_fn": halves, "post_update_fn": record}
+    _train(reference, _optimizer(reference, muon_kwargs=callables), _batch())
+    seen.clear()
+    updated.clear()
+    _train(model, _optimizer(model, muon_kwargs=callables), _batch()[rows])
+    assert seen and all(shape == full_shapes[name] for name, shape in seen), (label, seen)
+    assert len(updated) == STEPS * 14, (label, len(updated))  # every Muon param, every step
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(
+            p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-5, msg=f"{label}: {name}"
+        )
+
+
+def _check_replica_groups(mesh: Any, rows: slice) -> None:
+    """hsdp_replica_count: each group of replicas does all the work; one process's numbers."""
+    torch.manual_seed(0)
+    reference = TinyLM(qkv_bias=False)
+    _train(reference, _optimizer(reference), _batch())
+    for count, per_step in ((1, 28), (2, 14)):
+        model = _sharded_copy(_initial(), mesh)
+        with counting_newton_schulz() as calls, exchange_options(overlap=True, team_size="1"):
+            optimizer = _optimizer(model, muon_kwargs={"hsdp_replica_count": count})
+            _train(model, optimizer, _batch()[rows])
+        done = [0] * dist.get_world_size()
+        dist.all_gather_object(done, sum(calls))
+        assert sum(done) == STEPS * per_step, (count, done)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(
+                p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-5,
+                msg=f"hsdp_replica_count={count}: {name}",
+            )  # fmt: skip
+
+
+def _initial() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return TinyLM(qkv_bias=False)
+
+
 def _fsdp_and_hsdp(rank: int, world_size: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -299,6 +355,9 @@ def _fsdp_and_hsdp(rank: int, world_size: int) -> None:
         _check_against_one_process(mesh, rows, "hsdp 2x2")
         _check_teams(flat, rows, (2, 4), "fsdp x4")
         _check_teams(mesh, rows, (4,), "hsdp 2x2")
+        _check_replica_groups(mesh, rows)
+    else:
+        _check_callables(flat, rows, f"fsdp x{world_size}")
 
 
 def _work_is_spread(rank: int, world_size: int) -> None:

@@ -143,6 +143,39 @@ def test_training_with_the_factory_reduces_loss(model: nn.Module, batch: torch.T
 # -- bad input -------------------------------------------------------------------------
 
 
+def test_the_explicit_form_takes_sinkhorn_params_and_kwargs_as_hyper_parallel_does() -> None:
+    from hyper_parallel.core.optimizer import Sinkhorn
+
+    model = TinyLM(qkv_bias=False)
+    table, head = model.embed_tokens.weight, model.lm_head.weight
+    muon, adamw = guide_split(model)
+    adamw = [p for p in adamw if p is not table and p is not head]
+    optimizer = get_hyper_optimizer(
+        model,
+        muon_params=muon,
+        adamw_params=adamw,
+        sinkhorn_params=[{"params": [head]}, {"params": [table], "lr": 5e-3}],
+        sinkhorn_kwargs={"lr": 1e-3},
+        muon_kwargs={"lr": 0.02},
+    )
+    assert list(optimizer.optimizers) == ["adamw", "muon", "sinkhorn"]
+    sinkhorn = optimizer.optimizers["sinkhorn"]
+    assert isinstance(sinkhorn, Sinkhorn)
+    assert [g["lr"] for g in sinkhorn.param_groups] == [1e-3, 5e-3]
+    assert optimizer.param_names_by_optimizer["sinkhorn"] == [
+        "embed_tokens.weight",
+        "lm_head.weight",
+    ]
+    # a vector goes to AdamW instead, as it does when listed for Muon
+    small = nn.ModuleDict({"embed": nn.Embedding(8, 4), "norm": nn.LayerNorm(4)})
+    with pytest.warns(UserWarning, match="listed for sinkhorn.*norm.weight"):
+        moved = get_hyper_optimizer(
+            small, sinkhorn_params=[small["embed"].weight, small["norm"].weight],
+            adamw_params=[small["norm"].bias],
+        )  # fmt: skip
+    assert moved.param_names_by_optimizer["adamw"] == ["norm.weight", "norm.bias"]
+
+
 def test_param_in_two_groups(model: nn.Module) -> None:
     muon, adamw = guide_split(model)
     with pytest.raises(

@@ -397,7 +397,8 @@ def _hyper_parallel_options(
     ``lr_min`` and ``lr_start`` become ``min_lr_ratio`` / ``start_ratio``
     (over ``lr``); the others are the options they name. A keyword sets its
     option where the schedule has it and the caller did not give the option
-    itself. A keyword that asks for something (set away from its default
+    itself; at its default, only for HyperParallel's styles (other schedules
+    keep their own defaults). A keyword that asks for something (set away from its default
     and from "nothing": no floor, no start, the whole decay) is a
     ``ValueError`` next to its option, and a ``TypeError`` for a schedule
     without the option, except HyperParallel's own styles, where it has no
@@ -443,7 +444,8 @@ def _hyper_parallel_options(
                     f"{option}={options[option]!r})."
                 )
             continue
-        options[option] = value
+        if explicit or schedule in _HYPER_PARALLEL_STYLES:
+            options[option] = value  # other schedules keep their own defaults
 
 
 #: What each option is when it asks for nothing: no floor, no warmup start, all of the decay.
@@ -524,9 +526,11 @@ def get_hyper_lr_scheduler(
 ) -> HyperLRScheduler | LRSchedulersContainer:
     """Build a :class:`HyperLRScheduler` for ``optimizer`` from a schedule name.
 
-    Takes HyperParallel's keywords, with its defaults, so its scripts give
-    its lr sequence: every param group follows
-    ``lr_g(s) = peak_g * factor(s)`` from its own peak lr.
+    Takes HyperParallel's keywords, with its defaults for its styles
+    (``constant``, ``linear``, ``cosine``, ``wsd``), so its scripts give its
+    lr sequence: every param group follows ``lr_g(s) = peak_g * factor(s)``
+    from its own peak lr. Other schedules take the keywords where they have
+    the options, and keep their own defaults.
 
     Examples:
         >>> scheduler = get_hyper_lr_scheduler(
