@@ -896,12 +896,14 @@ def test_get_hyper_lr_scheduler_gives_hyper_parallels_lr_sequence(
 def test_one_scheduler_per_sub_optimizer_gives_the_same_lrs() -> None:
     from hyper_parallel.core.optimizer import ChainedOptimizer, LRSchedulersContainer
 
-    pairs = []
+    pairs: list[tuple[ChainedOptimizer, Any]] = []
     for per_optimizer in (False, True):
         chained = ChainedOptimizer({"adamw": sgd(3e-4), "muon": sgd(0.02)})
-        scheduler = get_hyper_lr_scheduler(
-            chained, "cosine", total_steps=20, warmup_steps=3, per_optimizer=per_optimizer
-        )
+
+        def cosine(optimizer: torch.optim.Optimizer) -> HyperLRScheduler:
+            return get_hyper_lr_scheduler(optimizer, "cosine", total_steps=20, warmup_steps=3)
+
+        scheduler = LRSchedulersContainer(chained, cosine) if per_optimizer else cosine(chained)
         pairs.append((chained, scheduler))
     (_, single), (_, container) = pairs
     assert isinstance(container, LRSchedulersContainer) and len(container) == 2

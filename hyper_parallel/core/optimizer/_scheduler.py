@@ -29,7 +29,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, overload
+from typing import Any, Final, Protocol
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -39,7 +39,12 @@ from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.plugin import PluginKind, get_registry
 
-__all__ = ["HyperLRScheduler", "LRSchedulersContainer", "get_hyper_lr_scheduler"]
+__all__ = [
+    "HyperLRScheduler",
+    "LRSchedulersContainer",
+    "SchedulerFactory",
+    "get_hyper_lr_scheduler",
+]
 
 _ScheduleFn = Callable[..., float]
 
@@ -467,7 +472,6 @@ _HYPER_PARALLEL_DEFAULTS: Final[Mapping[str, Any]] = {
 }
 
 
-@overload
 def get_hyper_lr_scheduler(
     optimizer: Optimizer,
     scheduler_type: str = _DEFAULT_SCHEDULE,
@@ -482,48 +486,8 @@ def get_hyper_lr_scheduler(
     lr_decay_ratio: float = 1.0,
     wsd_decay_steps: int | None = None,
     lr_wsd_decay_style: str = "exponential",
-    per_optimizer: Literal[False] = False,
     **options: Any,
-) -> HyperLRScheduler: ...
-
-
-@overload
-def get_hyper_lr_scheduler(
-    optimizer: Optimizer,
-    scheduler_type: str = _DEFAULT_SCHEDULE,
-    *,
-    total_steps: int,
-    warmup_steps: int = 0,
-    warmup_ratio: float = 0.0,
-    decay_style: str | None = None,
-    lr: float = 1e-4,
-    lr_min: float = 1e-7,
-    lr_start: float = 0.0,
-    lr_decay_ratio: float = 1.0,
-    wsd_decay_steps: int | None = None,
-    lr_wsd_decay_style: str = "exponential",
-    per_optimizer: Literal[True],
-    **options: Any,
-) -> LRSchedulersContainer: ...
-
-
-def get_hyper_lr_scheduler(
-    optimizer: Optimizer,
-    scheduler_type: str = _DEFAULT_SCHEDULE,
-    *,
-    total_steps: int,
-    warmup_steps: int = 0,
-    warmup_ratio: float = 0.0,
-    decay_style: str | None = None,
-    lr: float = 1e-4,
-    lr_min: float = 1e-7,
-    lr_start: float = 0.0,
-    lr_decay_ratio: float = 1.0,
-    wsd_decay_steps: int | None = None,
-    lr_wsd_decay_style: str = "exponential",
-    per_optimizer: bool = False,
-    **options: Any,
-) -> HyperLRScheduler | LRSchedulersContainer:
+) -> HyperLRScheduler:
     """Build a :class:`HyperLRScheduler` for ``optimizer`` from a schedule name.
 
     Takes HyperParallel's keywords, with its defaults for its styles
@@ -563,10 +527,6 @@ def get_hyper_lr_scheduler(
             tenth of the steps after warmup).
         lr_wsd_decay_style: ``wsd``'s decay shape: ``exponential``,
             ``linear``, ``cosine`` or ``minus_sqrt`` (``decay_shape``).
-        per_optimizer: One scheduler per sub-optimizer of a
-            :class:`~hyper_parallel.core.optimizer.ChainedOptimizer`, in an
-            :class:`LRSchedulersContainer`, as HyperParallel's container; the
-            same lrs either way.
         **options: The schedule's own options (e.g. ``num_cycles``,
             ``min_lr_ratio``).
 
@@ -597,28 +557,36 @@ def get_hyper_lr_scheduler(
     _hyper_parallel_options(entry.name, sig, options, given)
     if warmup_ratio:
         warmup_steps = _warmup_from_ratio(warmup_ratio, total_steps, warmup_steps)
-    if not per_optimizer:
-        return HyperLRScheduler(
-            optimizer, entry.name, total_steps=total_steps, warmup_steps=warmup_steps,
-            options=options,
-        )  # fmt: skip
-    return LRSchedulersContainer(
-        optimizer,
-        lambda sub: HyperLRScheduler(
-            sub, entry.name, total_steps=total_steps, warmup_steps=warmup_steps, options=options
-        ),
+    return HyperLRScheduler(
+        optimizer, entry.name, total_steps=total_steps, warmup_steps=warmup_steps, options=options
     )
+
+
+class SchedulerFactory(Protocol):
+    """Makes one sub-optimizer's LR scheduler: ``factory(optimizer=sub_optimizer)``."""
+
+    def __call__(self, optimizer: Optimizer) -> LRScheduler: ...
 
 
 class LRSchedulersContainer:
     """One LR scheduler per sub-optimizer of a chain, stepped as one (HyperParallel's container).
 
+    :func:`get_hyper_lr_scheduler` on a chain gives every group the lrs this
+    gives; the container is for a scheduler per sub-optimizer, or code
+    written for HyperParallel's.
+
+    Examples:
+        >>> schedulers = LRSchedulersContainer(
+        ...     optimizer,
+        ...     lambda optimizer: get_hyper_lr_scheduler(optimizer, total_steps=1000),
+        ... )
+
     Args:
         optimizer: A :class:`~hyper_parallel.core.optimizer.ChainedOptimizer`
             (anything with ``optimizers_dict``).
-        scheduler: ``scheduler(sub_optimizer)`` makes each one's scheduler,
-            e.g. ``lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)``; or
-            a mapping from sub-optimizer name to such a callable.
+        scheduler: ``scheduler(optimizer=sub_optimizer)`` makes each one's
+            scheduler, e.g. ``lambda optimizer: StepLR(optimizer, 10)``; or a
+            mapping from sub-optimizer name to such a callable.
 
     Attributes:
         schedulers: The schedulers, in the chain's order.
@@ -627,8 +595,7 @@ class LRSchedulersContainer:
     def __init__(
         self,
         optimizer: Any,
-        scheduler: Callable[[Optimizer], LRScheduler]
-        | Mapping[str, Callable[[Optimizer], LRScheduler]],
+        scheduler: SchedulerFactory | Mapping[str, SchedulerFactory],
     ) -> None:
         optimizers = getattr(optimizer, "optimizers_dict", None)
         if not isinstance(optimizers, Mapping):
@@ -644,7 +611,7 @@ class LRSchedulersContainer:
                 f"LRSchedulersContainer got schedulers for {sorted(makers)}; the chain has "
                 f"{sorted(optimizers)}. Give one per sub-optimizer."
             )
-        self._by_name = {name: makers[name](sub) for name, sub in optimizers.items()}
+        self._by_name = {name: makers[name](optimizer=sub) for name, sub in optimizers.items()}
         self.schedulers = list(self._by_name.values())
 
     def __getitem__(self, name: str) -> LRScheduler:
