@@ -276,8 +276,8 @@ def test_get_hyper_optimizer_and_scheduler_select_them_by_name() -> None:
 def test_lr_min_works_because_step_decay_has_min_lr_ratio() -> None:
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     scheduler = get_hyper_lr_scheduler(
-        optimizer, "staircase", total_steps=10, every=1, gamma=0.1, lr_min=0.01
-    )
+        optimizer, "staircase", total_steps=10, every=1, gamma=0.1, lr=0.1, lr_min=0.01
+    )  # HyperParallel's lr_min is relative to lr: the floor is a tenth of each peak
     for _ in range(10):
         optimizer.step()
         scheduler.step()

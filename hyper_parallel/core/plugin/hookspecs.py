@@ -58,8 +58,11 @@ def hyper_parallel_register_lr_schedulers(register: RegisterFn) -> None:
     lr at ``step`` (0-based; ``step == 0`` is the lr before the first
     optimizer step). Keyword-only parameters of ``fn`` beyond ``total_steps``
     and ``warmup_steps`` are the schedule's options; their defaults are the
-    defaults users get. An option named ``min_lr_ratio`` also makes the
-    schedule accept ``lr_min`` (an absolute floor, converted per group).
+    defaults users get. Options named ``min_lr_ratio``, ``start_ratio``,
+    ``decay_ratio``, ``decay_steps`` or ``decay_shape`` also make the
+    schedule take HyperParallel's ``lr_min`` / ``lr_start`` (over ``lr``),
+    ``lr_decay_ratio``, ``wsd_decay_steps`` or ``lr_wsd_decay_style`` when a
+    user sets them.
     """
 
 

@@ -6,7 +6,7 @@ A schedule follows the contract of
 factor on every param group's own peak lr at ``step``. Its keyword-only
 parameters after ``warmup_steps`` are the options users may pass to
 ``get_hyper_lr_scheduler``; their defaults are the users' defaults. Having a
-``min_lr_ratio`` option also lets users pass ``lr_min`` (an absolute floor).
+``min_lr_ratio`` option also lets users pass ``lr_min`` (HyperParallel's floor, relative to ``lr``).
 """
 
 from __future__ import annotations
