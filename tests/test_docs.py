@@ -46,6 +46,10 @@ EXAMPLE_PAGES = (
     "user-guide.md",
     "user-guide.zh.md",
     "choosing-muon.md",
+    "coming-from-hyperparallel.md",
+    "coming-from-hyperparallel.zh.md",
+    "coming-from-torch-muon.md",
+    "coming-from-torch-muon.zh.md",
     "plugins.md",
 )
 GUIDE_API = ("get_hyper_optimizer", "get_hyper_lr_scheduler", "ChainedOptimizer", "Muon", "AdamW")

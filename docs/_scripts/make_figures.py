@@ -54,11 +54,15 @@ def schedules() -> None:
 def coefficient_sets(ns_steps: int = 5) -> None:
     sigma = torch.logspace(-3, 0, 400, dtype=torch.float64)
     fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
-    for name in sorted(COEFFICIENT_SETS):
+    drawn: dict[tuple[tuple[float, float, float], ...], str] = {}
+    for name in sorted(COEFFICIENT_SETS):  # a set under two names is drawn once
+        triples = COEFFICIENT_SETS[name]
+        drawn[triples] = f"{drawn[triples]} = {name}" if triples in drawn else name
+    for label in drawn.values():
         x = sigma.clone()
-        for a, b, c in resolve_coefficients(name, ns_steps):
+        for a, b, c in resolve_coefficients(label.split(" = ")[0], ns_steps):
             x = a * x + b * x**3 + c * x**5
-        ax.plot(sigma.numpy(), x.numpy(), label=name, linewidth=1.6)
+        ax.plot(sigma.numpy(), x.numpy(), label=label, linewidth=1.6)
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xscale("log")
     ax.set_xlabel("singular value of the normalized update")

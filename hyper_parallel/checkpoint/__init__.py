@@ -296,7 +296,7 @@ def _check_fits(
     scheduler: Any | None,
 ) -> None:
     """Refuse a checkpoint that does not fit the objects given, before anything changes."""
-    if list(named) != meta["optimizers"]:
+    if sorted(named) != sorted(meta["optimizers"]):  # by name: the chain's order may differ
         raise CheckpointError(
             f"{ckpt} holds optimizers {meta['optimizers']}, but the optimizer given has "
             f"{list(named)}; build the optimizer the checkpoint was saved with."

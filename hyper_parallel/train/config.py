@@ -102,7 +102,12 @@ class TrainConfig:
         default=3e-3,
         metadata=_option("AdamW's peak lr, or the single optimizer's (default: %(default)s)"),
     )
-    muon_lr: float = field(default=0.02, metadata=_option("Muon's peak lr (default: %(default)s)"))
+    muon_lr: float = field(
+        default=6e-3,
+        metadata=_option(
+            "Muon's peak lr; its step RMS is 0.2 * lr, on AdamW's scale (default: %(default)s)"
+        ),
+    )
     weight_decay: float = field(default=0.0, metadata=_option())
     batch_size: int = field(default=32, metadata=_option(positive=True))
     seq_len: int = field(default=128, metadata=_option(positive=True))
