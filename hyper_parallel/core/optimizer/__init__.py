@@ -14,6 +14,8 @@ from hyper_parallel.core.optimizer._factory import get_hyper_optimizer
 from hyper_parallel.core.optimizer._main_params import MainParams, grad_tensors
 from hyper_parallel.core.optimizer._matrix import (
     MatrixOptimizer,
+    MomentumRule,
+    apply_momentum,
     by_device_and_dtype,
     momentum_updates,
 )
@@ -31,8 +33,10 @@ __all__ = [
     "LRSchedulersContainer",
     "MainParams",
     "MatrixOptimizer",
+    "MomentumRule",
     "Muon",
     "Sinkhorn",
+    "apply_momentum",
     "by_device_and_dtype",
     "get_hyper_lr_scheduler",
     "get_hyper_optimizer",

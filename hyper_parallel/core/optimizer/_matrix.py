@@ -23,7 +23,13 @@ from hyper_parallel.core.distributed import GroupBackends, ShardingBackend
 from hyper_parallel.core.distributed.toolkit import local_tensor, shard_like
 from hyper_parallel.core.errors import HyperParallelRuntimeError
 
-__all__ = ["MatrixOptimizer", "by_device_and_dtype", "momentum_updates"]
+__all__ = [
+    "MatrixOptimizer",
+    "MomentumRule",
+    "apply_momentum",
+    "by_device_and_dtype",
+    "momentum_updates",
+]
 
 
 class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
@@ -176,15 +182,44 @@ def by_device_and_dtype(tensors: list[Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
+#: A momentum rule on one device's and dtype's local tensors: ``rule(buffers, grads)`` steps
+#: the buffers in place and returns the updates, or ``None`` when the updates are the buffers.
+MomentumRule = Callable[[list[Tensor], list[Tensor]], "list[Tensor] | None"]
+
+
+def apply_momentum(buffers: list[Tensor], grads: list[Tensor], rule: MomentumRule) -> list[Tensor]:
+    """Run ``rule`` on the local shards, one call per device and dtype; the updates, laid out as the buffers.
+
+    The element-wise work skips DTensor's per-op dispatch and takes one
+    foreach call per device and dtype.
+
+    Args:
+        buffers: Momentum buffers (DTensors or plain), changed in place.
+        grads: The gradients, in the buffers' dtype and layout.
+        rule: The momentum rule (:data:`MomentumRule`).
+
+    Returns:
+        One update per buffer, laid out like it.
+    """
+    local_buffers = [local_tensor(b) for b in buffers]
+    local_grads = [local_tensor(g) for g in grads]
+    updates = list(buffers)
+    for indices in by_device_and_dtype(local_buffers):
+        made = rule([local_buffers[i] for i in indices], [local_grads[i] for i in indices])
+        if made is not None:
+            for i, update in zip(indices, made, strict=True):
+                updates[i] = shard_like(update, buffers[i])
+    return updates
+
+
 def momentum_updates(
     buffers: list[Tensor], grads: list[Tensor], momentum: float, nesterov: bool
 ) -> list[Tensor]:
-    """Step the momentum buffers in place and return the updates to transform.
+    """Step the momentum buffers in place and return the updates to transform (torch's rule).
 
     ``B <- momentum * B + (1 - momentum) * G``, then the update is the
     Nesterov look-ahead ``(1 - momentum) * G + momentum * B`` or ``B``
-    itself. The element-wise work runs on the local shards (skipping
-    DTensor's per-op dispatch), one foreach call per device and dtype.
+    itself (:func:`apply_momentum` on the local shards).
 
     Args:
         buffers: Momentum buffers (DTensors or plain), changed in place.
@@ -195,15 +230,9 @@ def momentum_updates(
     Returns:
         One update per buffer, laid out like it.
     """
-    local_buffers = [local_tensor(b) for b in buffers]
-    local_grads = [local_tensor(g) for g in grads]
-    updates = list(buffers)
-    for indices in by_device_and_dtype(local_buffers):
-        group_grads = [local_grads[i] for i in indices]
-        group_buffers = [local_buffers[i] for i in indices]
-        torch._foreach_lerp_(group_buffers, group_grads, 1 - momentum)
-        if nesterov:
-            looked_ahead = torch._foreach_lerp(group_grads, group_buffers, momentum)
-            for i, update in zip(indices, looked_ahead, strict=True):
-                updates[i] = shard_like(update, buffers[i])
-    return updates
+
+    def lerp(local_buffers: list[Tensor], local_grads: list[Tensor]) -> list[Tensor] | None:
+        torch._foreach_lerp_(local_buffers, local_grads, 1 - momentum)
+        return list(torch._foreach_lerp(local_grads, local_buffers, momentum)) if nesterov else None
+
+    return apply_momentum(buffers, grads, lerp)

@@ -20,7 +20,7 @@ from torch import Tensor
 from hyper_parallel.core.distributed import Blocks
 from hyper_parallel.core.distributed.toolkit import local_tensor, shard_like
 from hyper_parallel.core.errors import HyperParallelValueError
-from hyper_parallel.core.optimizer import by_device_and_dtype, momentum_updates
+from hyper_parallel.core.optimizer import apply_momentum, momentum_updates
 from hyper_parallel_builtins.muon._extensions import (
     MomentumUpdateFn,
     NSInputTransform,
@@ -60,25 +60,18 @@ def hyper_parallel_momentum(
     and with Nesterov ``U <- G + m1 U``. With ``m1 == m2`` and no Nesterov
     the update is the new buffer itself.
     """
-    local_buffers = [local_tensor(b) for b in buffers]
-    local_grads = [local_tensor(g) for g in grads]
-    updates = list(buffers)
-    for indices in by_device_and_dtype(local_buffers):
-        group_grads = [local_grads[i] for i in indices]
-        group_buffers = [local_buffers[i] for i in indices]
+
+    def rule(local_buffers: list[Tensor], local_grads: list[Tensor]) -> list[Tensor] | None:
         separate = nesterov or m1 != m2
-        if separate:
-            looked = torch._foreach_add(group_grads, group_buffers, alpha=m1)
-        torch._foreach_mul_(group_buffers, m2)
-        torch._foreach_add_(group_buffers, group_grads)
-        if not separate:
-            continue
+        looked = list(torch._foreach_add(local_grads, local_buffers, alpha=m1)) if separate else []
+        torch._foreach_mul_(local_buffers, m2)
+        torch._foreach_add_(local_buffers, local_grads)
         if nesterov:
             torch._foreach_mul_(looked, m1)
-            torch._foreach_add_(looked, group_grads)
-        for i, update in zip(indices, looked, strict=True):
-            updates[i] = shard_like(update, buffers[i])
-    return updates
+            torch._foreach_add_(looked, local_grads)
+        return looked if separate else None
+
+    return apply_momentum(buffers, grads, rule)
 
 
 def momentum_step(
