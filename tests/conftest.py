@@ -40,6 +40,18 @@ TINY_TRAIN_ARGS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _own_working_directory(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every test runs in an empty directory of its own, as do the processes it starts.
+
+    The README runs ``hyper-parallel train`` (which writes ``runs/train``) and then
+    the tests, in one directory: no test may depend on what is there.
+    """
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture
 def fresh_registry() -> Iterator[None]:
     """Reload plugins before and after the test (env changes, monkeypatched discovery)."""

@@ -373,3 +373,29 @@ def test_mkdocs_build_is_strict_clean(tmp_path: Path) -> None:
         "benchmarks/index.html",
     ):
         assert (site / page).is_file(), page
+
+
+def _quick_start_commands() -> list[str]:
+    """The command lines of the README's quick start: its bash blocks, comments dropped."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    return [
+        line.strip()
+        for block in blocks
+        for line in block.splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+
+
+def test_ci_runs_the_readme_quick_start_verbatim_and_in_order() -> None:
+    commands = _quick_start_commands()
+    assert any("hyper-parallel train" in c for c in commands)
+    assert any("pytest" in c for c in commands)
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    positions = [ci.find(command) for command in commands]
+    assert all(p >= 0 for p in positions), [
+        c for c, p in zip(commands, positions, strict=True) if p < 0
+    ]
+    assert positions == sorted(positions), "the quick start's commands run in the README's order"
+    assert ci.find(commands[-1]) < ci.find("ruff check")  # the user's commands come first
