@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -223,6 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args))
     except (TrainError, DataError, HyperParallelError) as exc:
         _fail(str(exc))
+    except BrokenPipeError:
+        # The reader left (`hyper-parallel plugins | head`): stop quietly, as Unix tools do.
+        # stdout is pointed at /dev/null, so flushing it at exit raises nothing more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe stopped
 
 
 if __name__ == "__main__":

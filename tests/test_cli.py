@@ -52,3 +52,31 @@ def test_unknown_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plugin"])
     assert info.value.code == 2
     assert "invalid choice: 'plugin'" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """``hyper-parallel plugins | head -1``: the pipe closes after one line."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from hyper_parallel.cli import main\n"
+        "sys.stdin.readline()\n"  # wait for the reader to be gone
+        "raise SystemExit(main(['plugins']))\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stdin is not None
+    process.stdout.close()  # the reader leaves before anything is written
+    process.stdin.write("go\n")
+    process.stdin.close()
+    assert process.stderr is not None
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == 141, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

@@ -58,7 +58,8 @@ def build_optimizer(config: TrainConfig, name: str, model: torch.nn.Module) -> C
     """``muon+adamw`` through a partitioner, or one named optimizer on every param.
 
     A single optimizer gets two groups: params with two or more dims, with
-    weight decay, and the rest (norms, biases) without.
+    weight decay, and the rest (norms, biases) without; a matrix-only one
+    (Muon, Sinkhorn) leaves the rest to AdamW at ``--lr``.
     """
     if name == MUON_ADAMW:
         return get_hyper_optimizer(
@@ -72,11 +73,16 @@ def build_optimizer(config: TrainConfig, name: str, model: torch.nn.Module) -> C
     params = [p for p in model.parameters() if p.requires_grad]
     matrices = [p for p in params if p.ndim >= 2]
     vectors = [p for p in params if p.ndim < 2]
-    groups: list[dict[str, Any]] = [{"params": matrices, "weight_decay": config.weight_decay}]
-    if vectors:
-        groups.append({"params": vectors, "weight_decay": 0.0})
+    decayed = {"params": matrices, "weight_decay": config.weight_decay}
+    undecayed = {"params": vectors, "weight_decay": 0.0}
+    optimizers: dict[str, dict[str, Any]] = {entry.name: {"params": [decayed], "lr": lr}}
+    if vectors and getattr(entry.obj, "matrix_only", False):
+        # Norms and biases go to AdamW, said here rather than warned about by the factory.
+        optimizers["adamw"] = {"params": [undecayed], "lr": config.lr}
+    elif vectors:
+        optimizers[entry.name]["params"].append(undecayed)
     try:
-        return get_hyper_optimizer(model, optimizers={entry.name: {"params": groups, "lr": lr}})
+        return get_hyper_optimizer(model, optimizers=optimizers)
     except (TypeError, ValueError) as exc:
         raise TrainError(f"--optimizer {name}: {exc}") from None
 
