@@ -50,6 +50,8 @@ class Option:
     choices: tuple[str, ...] | None = None  # the only values allowed
     positive: bool = False  # an int that must be >= 1
     on_command_line: bool = True
+    #: It changes the numbers: a checkpoint records it, and ``--resume`` must repeat it.
+    recorded: bool = False
 
 
 def _option(
@@ -59,6 +61,7 @@ def _option(
     choices: tuple[str, ...] | None = None,
     positive: bool = False,
     on_command_line: bool = True,
+    recorded: bool = False,
 ) -> dict[str, Option]:
     """A field's ``metadata``: its :class:`Option`."""
     option = Option(
@@ -67,6 +70,7 @@ def _option(
         choices=choices,
         positive=positive,
         on_command_line=on_command_line,
+        recorded=recorded,
     )
     return {"option": option}
 
@@ -87,41 +91,48 @@ class TrainConfig:
     )
     partitioner: str = field(
         default="by_shape",
-        metadata=_option(f"how {MUON_ADAMW} splits params (default: %(default)s)"),
+        metadata=_option(f"how {MUON_ADAMW} splits params (default: %(default)s)", recorded=True),
     )
     scheduler: str = field(
-        default="cosine", metadata=_option("LR schedule name (default: %(default)s)")
+        default="cosine", metadata=_option("LR schedule name (default: %(default)s)", recorded=True)
     )
     steps: int = field(
-        default=400, metadata=_option("optimizer steps (default: %(default)s)", positive=True)
+        default=400,
+        metadata=_option("optimizer steps (default: %(default)s)", positive=True, recorded=True),
     )
     warmup_steps: int | None = field(
-        default=None, metadata=_option("warmup steps (default: 5%% of --steps)")
+        default=None, metadata=_option("warmup steps (default: 5%% of --steps)", recorded=True)
     )
     lr: float = field(
         default=3e-3,
-        metadata=_option("AdamW's peak lr, or the single optimizer's (default: %(default)s)"),
+        metadata=_option(
+            "AdamW's peak lr, or the single optimizer's (default: %(default)s)", recorded=True
+        ),
     )
     muon_lr: float = field(
         default=6e-3,
         metadata=_option(
-            "Muon's peak lr; its step RMS is 0.2 * lr, on AdamW's scale (default: %(default)s)"
+            "Muon's peak lr; its step RMS is 0.2 * lr, on AdamW's scale (default: %(default)s)",
+            recorded=True,
         ),
     )
-    weight_decay: float = field(default=0.0, metadata=_option())
-    batch_size: int = field(default=32, metadata=_option(positive=True))
-    seq_len: int = field(default=128, metadata=_option(positive=True))
+    weight_decay: float = field(default=0.0, metadata=_option(recorded=True))
+    batch_size: int = field(default=32, metadata=_option(positive=True, recorded=True))
+    seq_len: int = field(default=128, metadata=_option(positive=True, recorded=True))
     dim: int = field(
-        default=128, metadata=_option("model width (default: %(default)s)", positive=True)
+        default=128,
+        metadata=_option("model width (default: %(default)s)", positive=True, recorded=True),
     )
     layers: int = field(
-        default=4, metadata=_option("decoder blocks (default: %(default)s)", positive=True)
+        default=4,
+        metadata=_option("decoder blocks (default: %(default)s)", positive=True, recorded=True),
     )
     heads: int = field(
-        default=4, metadata=_option("attention heads (default: %(default)s)", positive=True)
+        default=4,
+        metadata=_option("attention heads (default: %(default)s)", positive=True, recorded=True),
     )
     tied_embeddings: bool = field(
-        default=False, metadata=_option("share the embedding and lm_head weights")
+        default=False, metadata=_option("share the embedding and lm_head weights", recorded=True)
     )
     eval_every: int = field(
         default=25,
@@ -135,13 +146,18 @@ class TrainConfig:
         default=5,
         metadata=_option("train loss interval in steps", positive=True, on_command_line=False),
     )
-    seed: int = field(default=0, metadata=_option())
+    seed: int = field(default=0, metadata=_option(recorded=True))
     data: Path | None = field(
-        default=None, metadata=_option("train on this UTF-8 text file instead of the built-in data")
+        default=None,
+        metadata=_option(
+            "train on this UTF-8 text file instead of the built-in data", recorded=True
+        ),
     )
     tokenizer: str = field(
         default="char",
-        metadata=_option("for --data (default: %(default)s)", choices=("char", "byte")),
+        metadata=_option(
+            "for --data (default: %(default)s)", choices=("char", "byte"), recorded=True
+        ),
     )
     out: Path = field(
         default=Path("runs/train"), metadata=_option("output directory (default: %(default)s)")
@@ -154,7 +170,8 @@ class TrainConfig:
         default=None,
         metadata=_option(
             "shard the model with this backend (fsdp, hsdp); run under torchrun, e.g. "
-            "torchrun --nproc_per_node 2 -m hyper_parallel train --sharding fsdp"
+            "torchrun --nproc_per_node 2 -m hyper_parallel train --sharding fsdp",
+            recorded=True,
         ),
     )
     checkpoint_dir: Path | None = field(
@@ -175,6 +192,11 @@ class TrainConfig:
             "skipped, with a message)"
         ),
     )
+
+    @property
+    def warmup(self) -> int:
+        """The warmup steps in effect: ``--warmup-steps``, else 5% of ``--steps`` (at least 1)."""
+        return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
 
     def validate(self) -> None:
         """Raise :class:`TrainError` for the first unusable option."""

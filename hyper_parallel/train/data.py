@@ -16,6 +16,7 @@ data, or per byte / per character for a user's file.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Iterator
@@ -108,6 +109,13 @@ class TokenizedText:
     @property
     def vocab_size(self) -> int:
         return 256 if self.alphabet is None else len(self.alphabet)
+
+    def digest(self) -> str:
+        """A SHA-256 of both splits' token ids and the alphabet: the same data gives the same digest."""
+        h = hashlib.sha256((self.alphabet or "").encode("utf-8"))
+        for ids in (self.train, self.val):
+            h.update(ids.to(torch.int64).contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def decode(self, ids: list[int]) -> str:
         if self.alphabet is None:

@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import TokenizedText, load_text_file, synthetic_corpus
 from hyper_parallel.train.placement import Placement, place
-from hyper_parallel.train.preflight import RUN_OUTPUTS, check_memory, check_paths, check_resume
-from hyper_parallel.train.run import Metrics, RunResult, run_one
+from hyper_parallel.train.preflight import (
+    RUN_OUTPUTS,
+    check_memory,
+    check_paths,
+    check_resume,
+    run_names,
+)
+from hyper_parallel.train.run import Metrics, RunResult, replace_atomically, run_one
+
+if TYPE_CHECKING:
+    from hyper_parallel.checkpoint import Verified
 
 __all__ = ["MUON_ADAMW", "RunResult", "TrainConfig", "TrainError", "steps_to_reach", "train"]
 
@@ -51,6 +61,7 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
             "tokens_per_s": round(r.tokens_per_s),
             "interrupted": r.interrupted,
             "skipped_steps": r.skipped,
+            "resumed_from_step": r.resumed_from,
         }
         for r in results
     }
@@ -116,7 +127,9 @@ def train(config: TrainConfig, *, echo: Callable[[str], None] = print) -> dict[s
     config.validate()
     check_paths(config)
     data = load_data(config)
-    check_resume(config, data.vocab_size)
+    resumed = check_resume(config, data)
+    if _finished(config, resumed):
+        return _left_as_it_was(config, resumed)
     check_memory(config, data.vocab_size)
     group_before = _process_group_initialized()
     try:
@@ -128,6 +141,28 @@ def train(config: TrainConfig, *, echo: Callable[[str], None] = print) -> dict[s
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+def _finished(config: TrainConfig, resumed: dict[str, Verified | None]) -> bool:
+    """``--resume`` of a run whose every run saved its last step and whose summary was written."""
+    return (
+        bool(resumed)
+        and all(v is not None and v.step == config.steps for v in resumed.values())
+        and (config.out / "summary.json").is_file()
+    )
+
+
+def _left_as_it_was(config: TrainConfig, resumed: dict[str, Verified | None]) -> dict[str, Any]:
+    """Say that there is nothing to train; the summary already written."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        where = ", ".join(f"{name} at step {v.step} ({v.path})" for name, v in resumed.items() if v)
+        print(
+            f"hyper-parallel train: --resume: the run already finished ({where}); {config.out} "
+            "is left as it was. Start without --resume to train again",
+            file=sys.stderr,
+        )
+    summary: dict[str, Any] = json.loads((config.out / "summary.json").read_text(encoding="utf-8"))
+    return summary
 
 
 def _process_group_initialized() -> bool:
@@ -150,7 +185,7 @@ def _train_placed(
     metrics = Metrics(config.out / "metrics.jsonl" if main else None, append=config.resume)
     results: list[RunResult] = []
     try:
-        for name in [config.optimizer, *([config.compare] if config.compare else [])]:
+        for name in run_names(config):
             results.append(run_one(config, name, data, metrics, progress, placement))
             if results[-1].interrupted:
                 break
@@ -176,27 +211,19 @@ def _write_outputs(
 
     plot = out / "loss_curves.png"
     if any(r.train_losses or r.val_losses for r in results):
-        _replace_atomically(plot, lambda tmp: plot_losses(results, tmp, title=title))
+        replace_atomically(plot, lambda tmp: plot_losses(results, tmp, title=title))
     else:  # interrupted before anything was measured: no plot, rather than an empty one
         plot.unlink(missing_ok=True)
     text = json.dumps(summary, indent=2) + "\n"
-    _replace_atomically(out / "summary.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
-def _replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """``write`` a sibling temporary file, then rename it over ``path``: Ctrl-C leaves either."""
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    replace_atomically(out / "summary.json", lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def _progress_factory() -> Callable[..., Any]:
     from tqdm.auto import tqdm
 
-    def factory(*, total: int, desc: str) -> Any:
-        return tqdm(total=total, desc=desc, dynamic_ncols=True, leave=True, mininterval=0.5)
+    def factory(*, total: int, initial: int, desc: str) -> Any:
+        return tqdm(
+            total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True, mininterval=0.5
+        )
 
     return factory

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +9,7 @@ import torch
 
 from hyper_parallel.core.plugin import PluginKind, get_registry
 from hyper_parallel.train.config import TrainConfig, TrainError
+from hyper_parallel.train.preflight import launched_world_size
 
 __all__ = ["Placement", "place"]
 
@@ -41,7 +41,7 @@ class Placement:
 
 def place(config: TrainConfig) -> Placement:
     """Set up the mesh for ``--sharding`` (the process group comes from torchrun)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world_size()
     if config.sharding is None or config.sharding == "local":
         if world > 1:
             raise TrainError(

@@ -7,11 +7,16 @@ or anything is written (the command line prints it as one line, exit 2).
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hyper_parallel.train.config import TrainConfig, TrainError
+from hyper_parallel.train.config import TrainConfig, TrainError, config_fields
+
+if TYPE_CHECKING:
+    from hyper_parallel.checkpoint import Verified
+    from hyper_parallel.train.data import TokenizedText
 
 __all__ = [
     "RUN_OUTPUTS",
@@ -20,15 +25,14 @@ __all__ = [
     "check_paths",
     "check_resume",
     "estimate_peak_bytes",
+    "launched_world_size",
     "resume_record",
     "run_folder",
+    "run_names",
 ]
 
 #: The files a run writes into ``--out``.
 RUN_OUTPUTS = ("metrics.jsonl", "loss_curves.png", "summary.json")
-
-#: The options a checkpoint of ``train`` records, and a resume must repeat.
-_RESUMED = ("steps", "dim", "layers", "heads", "seq_len", "tied_embeddings", "partitioner")
 
 
 # -- paths --------------------------------------------------------------------------
@@ -73,28 +77,62 @@ def _check_writable_dir(flag: str, path: Path) -> None:
 
 # -- resume -------------------------------------------------------------------------
 
+#: The record keys that say whether two runs see the same data (``--data`` may move).
+_SAME_DATA = ("data_digest", "vocab_size")
 
-def resume_record(config: TrainConfig, name: str, vocab_size: int) -> dict[str, Any]:
-    """What a checkpoint of run ``name`` records about how it was made (its ``extra``)."""
-    record = {key: getattr(config, key) for key in _RESUMED}
-    record.update(optimizer=name, vocab_size=vocab_size)
+
+def resume_record(
+    config: TrainConfig, name: str, data: TokenizedText, world_size: int
+) -> dict[str, Any]:
+    """What a checkpoint of run ``name`` records about how it was made (its ``extra``).
+
+    Every option that changes the numbers (:attr:`Option.recorded`), the
+    warmup in effect, a digest of the data, and the number of processes (each
+    draws its own batches).
+    """
+    record: dict[str, Any] = {}
+    for f in config_fields():
+        if f.option.recorded:
+            value = getattr(config, f.name)
+            record[f.name] = str(value) if isinstance(value, Path) else value
+    record.update(
+        warmup_steps=config.warmup,
+        optimizer=name,
+        vocab_size=data.vocab_size,
+        data_digest=data.digest(),
+        world_size=world_size,
+    )
     return {"train": record}
 
 
-def check_resume(config: TrainConfig, vocab_size: int) -> None:
-    """With ``--resume``, the newest intact checkpoint of each run was made like this one."""
+def check_resume(config: TrainConfig, data: TokenizedText) -> dict[str, Verified | None]:
+    """With ``--resume``, each run's newest intact checkpoint, checked to be made like this run.
+
+    Returns:
+        Each run's newest intact checkpoint (``None``: none yet); empty without ``--resume``.
+
+    Raises:
+        TrainError: a checkpoint was made with another value of an option that
+            changes the numbers; the message names the flag and the value.
+    """
     if not config.resume or config.checkpoint_dir is None:
-        return
+        return {}
     from hyper_parallel.checkpoint import CheckpointManager
 
-    for name in [config.optimizer, *([config.compare] if config.compare else [])]:
-        manager = CheckpointManager(config.checkpoint_dir / run_folder(name))
-        found = manager.newest_intact()
-        if found is None:
-            continue
-        made = found.extra.get("train")
-        if isinstance(made, dict):
-            _compare(config, vocab_size, name, made, found.path)
+    found: dict[str, Verified | None] = {}
+    for name in run_names(config):
+        newest = CheckpointManager(config.checkpoint_dir / run_folder(name)).newest_intact()
+        found[name] = newest
+        made = newest.extra.get("train") if newest is not None else None
+        if newest is not None and isinstance(made, dict):
+            now = resume_record(config, name, data, launched_world_size())["train"]
+            _refuse_changes(config, made, now, newest.path)
+    return found
+
+
+def run_names(config: TrainConfig) -> list[str]:
+    """The runs of one ``train`` call, in order: ``--optimizer``'s, then ``--compare``'s."""
+    return [config.optimizer, *([config.compare] if config.compare else [])]
 
 
 def run_folder(name: str) -> str:
@@ -102,26 +140,44 @@ def run_folder(name: str) -> str:
     return name.replace("+", "_")
 
 
-def _compare(
-    config: TrainConfig, vocab_size: int, name: str, made: dict[str, Any], path: Path
+def launched_world_size() -> int:
+    """How many processes the launcher started (torchrun's ``WORLD_SIZE``; 1 without one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _refuse_changes(
+    config: TrainConfig, made: dict[str, Any], now: dict[str, Any], path: Path
 ) -> None:
-    now = resume_record(config, name, vocab_size)["train"]
-    for key in (*_RESUMED, "vocab_size"):
-        if key not in made or made[key] == now[key]:
-            continue
-        if key == "vocab_size":
+    """Raise for the first recorded value that differs."""
+    for key in now:  # in the order of the flags
+        value = made.get(key, now[key])  # a key older checkpoints lack is not checked
+        if key == "data" or now[key] == value:
+            continue  # --data is compared by digest: the same text may have moved
+        if key in _SAME_DATA:
+            before = made.get("data") or "the built-in data"
             raise TrainError(
-                f"--data {config.data or '(built-in)'}: the checkpoint {path} was made with data "
-                f"of {made[key]} distinct tokens, this data has {now[key]}; resume with the "
-                "same --data and --tokenizer, or start without --resume"
+                f"--data {config.data or '(built-in)'}: the checkpoint {path} was made with "
+                f"other data ({before}, --tokenizer {made.get('tokenizer', 'char')}); resume "
+                "with that --data and --tokenizer, or start without --resume"
+            )
+        if key == "world_size":
+            raise TrainError(
+                f"{now[key]} processes: the checkpoint {path} was made by {value}, and each "
+                f"process draws its own batches; launch {value} (torchrun --nproc_per_node), "
+                "or start without --resume"
             )
         flag = "--" + key.replace("_", "-")
-        value = made[key]
-        shown = (flag if value else "no " + flag) if isinstance(value, bool) else f"{flag} {value}"
         raise TrainError(
-            f"{flag} {now[key]}: the checkpoint {path} was made with {shown}; pass that, or "
-            "start without --resume"
+            f"{_shown(flag, now[key])}: the checkpoint {path} was made with "
+            f"{_shown(flag, value)}; pass that, or start without --resume"
         )
+
+
+def _shown(flag: str, value: Any) -> str:
+    """``--lr 0.003``; a switch or an unset option as ``--tied-embeddings`` / ``no --sharding``."""
+    if isinstance(value, bool) or value is None:
+        return flag if value else f"no {flag}"
+    return f"{flag} {value}"
 
 
 # -- memory -------------------------------------------------------------------------

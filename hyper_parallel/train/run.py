@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import warnings
@@ -48,10 +49,24 @@ class RunResult:
     tokens_per_s: float = 0.0
     interrupted: bool = False
     skipped: list[int] = field(default_factory=list)  # steps skipped for non-finite gradients
+    resumed_from: int = 0  # the checkpoint's step; seconds and tokens_per_s count from there
 
     @property
     def final_val_loss(self) -> float | None:
         return self.val_losses[-1][1] if self.val_losses else None
+
+    @classmethod
+    def resumed(cls, name: str, step: int, rows: list[dict[str, Any]]) -> RunResult:
+        """A run continued after ``step``, with what its log already holds up to there."""
+        result = cls(name=name, steps_done=step, resumed_from=step)
+        for row in rows:
+            if "train_loss" in row:
+                result.train_losses.append((row["step"], row["train_loss"]))
+            if "val_loss" in row:
+                result.val_losses.append((row["step"], row["val_loss"]))
+            if "skipped" in row:
+                result.skipped.append(row["step"])
+        return result
 
 
 def build_optimizer(config: TrainConfig, name: str, model: torch.nn.Module) -> ChainedOptimizer:
@@ -91,26 +106,38 @@ class Metrics:
     """Appends one JSON object per line and flushes, so an interrupted run keeps its log.
 
     With no path (ranks other than 0 of a sharded run) it writes nothing.
-    Appending (a resumed run), a row the log already holds (the same run,
-    step and kind: the resume point's validation, or steps that ran after the
-    last checkpoint) is not written again.
+    Appending (a resumed run), the log keeps its complete rows; :meth:`resume`
+    drops a run's rows past its checkpoint, which are measured again.
     """
 
     def __init__(self, path: Path | None, *, append: bool = False) -> None:
+        self._path = path
         self._file: TextIO | None = None
-        self._seen: set[tuple[Any, ...]] = set()
-        if path is not None:
-            if append and path.is_file():
-                rows = _complete_rows(path)
-                path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-                self._seen = {_row_key(row) for row in rows}
-            self._file = path.open("a" if append else "w", encoding="utf-8")
+        self._rows: list[dict[str, Any]] = []
+        if path is not None and append and path.is_file():
+            self._rows = _complete_rows(path)
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        """The log replaced whole by the rows kept, then opened for appending."""
+        if self._path is None:
+            return
+        if self._file is not None:
+            self._file.close()
+        text = "".join(json.dumps(r) + "\n" for r in self._rows)
+        replace_atomically(self._path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        self._file = self._path.open("a", encoding="utf-8")
+
+    def resume(self, run: str, step: int) -> list[dict[str, Any]]:
+        """Continue ``run`` after ``step``: its later rows go (they run again); its rows kept."""
+        self._rows = [r for r in self._rows if r.get("run") != run or r.get("step", 0) <= step]
+        self._rewrite()
+        return [r for r in self._rows if r.get("run") == run]
 
     def write(self, record: dict[str, Any]) -> None:
-        key = _row_key(record)
-        if self._file is None or key in self._seen:
+        if self._file is None:
             return
-        self._seen.add(key)
+        self._rows.append(record)
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -119,9 +146,14 @@ class Metrics:
             self._file.close()
 
 
-def _row_key(record: dict[str, Any]) -> tuple[Any, ...]:
-    """What makes a metrics row the same row: its run, its step and which values it holds."""
-    return (record.get("run"), record.get("step"), *sorted(set(record) - {"run", "step"}))
+def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` a sibling temporary file, then rename it over ``path``: Ctrl-C leaves either."""
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _complete_rows(path: Path) -> list[dict[str, Any]]:
@@ -186,6 +218,7 @@ class _Run:
     placement: Placement
     metrics: Metrics
     checkpoints: CheckpointManager | None
+    record: dict[str, Any]  # how the run is made, kept in each checkpoint (``resume_record``)
     result: RunResult  # steps_done: the steps already done, more than 0 when resumed
     bar: Any  # a progress bar (tqdm's interface), or None
     throughput: _Throughput
@@ -215,8 +248,12 @@ class _Run:
             done = _resume(
                 checkpoints, model, optimizer, scheduler, train_batches, placement.rank == 0
             )
-        result = RunResult(name=name, steps_done=done)
-        bar = progress_factory(total=config.steps, desc=name) if progress_factory else None
+        result = RunResult.resumed(name, done, metrics.resume(name, done) if config.resume else [])
+        bar = (
+            progress_factory(total=config.steps, initial=done, desc=name)
+            if progress_factory
+            else None
+        )
         tokens_per_step = config.batch_size * config.seq_len * placement.world_size
         return cls(
             config=config,
@@ -228,6 +265,7 @@ class _Run:
             placement=placement,
             metrics=metrics,
             checkpoints=checkpoints,
+            record=resume_record(config, name, data, placement.world_size),
             result=result,
             bar=bar,
             throughput=_Throughput(tokens_per_step),
@@ -289,7 +327,7 @@ class _Run:
                 model=self.model,
                 optimizer=self.optimizer,
                 scheduler=self.scheduler,
-                extra=resume_record(config, self.name, self.model.config.vocab_size),
+                extra=self.record,
             )
 
     def _log(self, step: int, loss: float, lrs: dict[str, float]) -> None:
@@ -310,10 +348,10 @@ class _Run:
             )
 
     def finish(self) -> RunResult:
-        """The result, with the run's time and tokens per second (resumed steps included)."""
+        """The result, with this process's time and tokens per second (since the resume point)."""
         result = self.result
         result.seconds = self.throughput.seconds()
-        tokens = self.throughput.tokens_per_step * result.steps_done
+        tokens = self.throughput.tokens_per_step * (result.steps_done - result.resumed_from)
         result.tokens_per_s = tokens / max(result.seconds, 1e-9)
         return result
 
@@ -338,10 +376,9 @@ def _mlp_hidden(dim: int) -> int:
 
 
 def _build_scheduler(config: TrainConfig, optimizer: ChainedOptimizer) -> HyperLRScheduler:
-    warmup = config.warmup_steps if config.warmup_steps is not None else max(1, config.steps // 20)
     try:
         return get_hyper_lr_scheduler(
-            optimizer, config.scheduler, total_steps=config.steps, warmup_steps=warmup
+            optimizer, config.scheduler, total_steps=config.steps, warmup_steps=config.warmup
         )
     except (TypeError, ValueError) as exc:
         raise TrainError(f"--scheduler {config.scheduler}: {exc}") from None
@@ -385,15 +422,23 @@ def _resume(
 ) -> int:
     """Load the newest intact checkpoint, if any, and skip the batches it trained on; its step.
 
-    A corrupt checkpoint skipped on the way is reported on stderr when ``report``.
+    When ``report``, says on stderr where it resumed, and which corrupt
+    checkpoints it skipped on the way.
     """
     with warnings.catch_warnings(record=True) as skipped:
         warnings.simplefilter("always", UserWarning)
         done = checkpoints.load_latest(model=model, optimizer=optimizer, scheduler=scheduler) or 0
     for warning in skipped if report else []:
         print(f"hyper-parallel train: --resume: {warning.message}", file=sys.stderr)
-    if skipped and report:
-        print(f"hyper-parallel train: --resume: resuming from step {done}", file=sys.stderr)
+    if done and report:
+        where = checkpoints.path_for(done)
+        print(f"hyper-parallel train: resuming from step {done} ({where})", file=sys.stderr)
+    elif report:
+        print(
+            f"hyper-parallel train: --resume: no checkpoint in {checkpoints.root} yet; "
+            "starting at step 0",
+            file=sys.stderr,
+        )
     for _ in range(done):  # the same batches as an uninterrupted run
         next(train_batches)
     return done
@@ -415,7 +460,8 @@ def run_one(
     run = _Run.start(config, name, data, metrics, progress_factory, placement or Placement())
     first = run.result.steps_done + 1
     try:
-        run.evaluate(first - 1)
+        if first == 1:  # resumed: the run that saved validated there if its interval said so
+            run.evaluate(0)
         for step in range(first, config.steps + 1):
             run.step(step)
     except KeyboardInterrupt:
