@@ -1,5 +1,5 @@
 """``python -m hyper_parallel`` runs the command-line interface."""
 
-from hyper_parallel.cli import main
+from hyper_parallel.cli import run
 
-raise SystemExit(main())
+run()

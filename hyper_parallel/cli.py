@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -15,7 +16,7 @@ from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, get_registry
 if TYPE_CHECKING:
     from hyper_parallel.train.config import ConfigField
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -229,7 +230,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stdout is pointed at /dev/null, so flushing it at exit raises nothing more.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a tool the pipe stopped
+    except RuntimeError as exc:  # torch.distributed's errors are RuntimeErrors
+        if (lost := _peer_lost(exc)) is None:
+            raise
+        print(f"hyper-parallel: error: {lost}", file=sys.stderr)
+        return 1
+
+
+#: What gloo and NCCL say when the process at the other end of a connection is gone.
+_PEER_GONE = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|remote process exit|Connection refused",
+    flags=re.IGNORECASE,
+)
+
+
+def _peer_lost(exc: RuntimeError) -> str | None:
+    """One line for a torchrun worker whose peer process died under it; ``None`` otherwise."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if "RANK" not in os.environ or not _PEER_GONE.search(first):
+        return None
+    said = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]
+    return (
+        f"rank {os.environ['RANK']}: another process of this job stopped, so this one cannot go "
+        f"on ({said}); that process's own output says why"
+    )
+
+
+def run(argv: Sequence[str] | None = None) -> NoReturn:
+    """The ``hyper-parallel`` program: :func:`main`, then exit with its code.
+
+    A torchrun worker leaves without the interpreter's finalization once its
+    output is flushed: gloo's native threads can abort a process there
+    (SIGABRT, "terminate called without an active exception") after its work
+    is done and saved, and torchrun would report that finished run as failed.
+    """
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    if "LOCAL_RANK" not in os.environ:
+        raise SystemExit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -267,3 +267,32 @@ def _reseal(path: Path) -> None:
     meta = json.loads((path / MANIFEST).read_text())
     files = {name: digest_file(path / name) for name in meta.pop("files")}
     write_manifest(path, {k: v for k, v in meta.items() if not k.endswith("xxh3_64")}, files)
+
+
+def _ranks_agree_on_checkpoints(rank: int, world_size: int, root: str) -> None:
+    # a directory local to each rank (as on a node's own disk): every rank stops, naming it
+    local = Path(root) / f"local{rank}"
+    with pytest.raises(CheckpointError) as info:
+        CheckpointManager(local)
+    assert str(info.value).startswith(
+        f"Checkpoint directory {local}: rank 0 does not see the files rank(s) 1 wrote there."
+    )
+    assert "must be one directory on storage all ranks share" in str(info.value)
+    assert not list(local.iterdir())  # nothing written, the markers gone
+    # a shared one: rank 0 chooses what to load, even when another rank's listing is stale
+    shared = Path(root) / "shared"
+    model, opt, sched = _build()
+    manager = CheckpointManager(shared)
+    for step in (1, 2):
+        _train(model, opt, sched, _batch(), 1)
+        manager.save(step, model=model, optimizer=opt, scheduler=sched)
+    if rank == 1:
+        stale = checkpoint._candidates
+        checkpoint._candidates = lambda r: list(reversed(stale(r)))  # type: ignore[assignment]
+    fresh = _build()
+    assert manager.load_latest(model=fresh[0], optimizer=fresh[1], scheduler=fresh[2]) == 2
+    assert not list(shared.glob(".shared-check-*"))
+
+
+def test_ranks_prove_they_share_the_directory_and_load_one_choice(tmp_path: Path) -> None:
+    run_distributed(_ranks_agree_on_checkpoints, world_size=2, args=(str(tmp_path),))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -80,3 +81,31 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     stderr = process.stderr.read()
     assert process.wait(timeout=120) == 141, stderr
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def test_a_peer_that_died_is_one_line_naming_this_rank(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hyper_parallel import cli
+
+    said = (
+        "[/src/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:21378: Connection reset "
+        "by peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+
+    def handler(args: argparse.Namespace) -> int:
+        raise RuntimeError(said)  # what a gloo collective raises when its peer process is gone
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(handler=handler)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setenv("RANK", "3")
+    assert cli.main([]) == 1
+    assert capsys.readouterr().err == (
+        "hyper-parallel: error: rank 3: another process of this job stopped, so this one cannot "
+        "go on (Read error [127.0.0.1]:21378: Connection reset by peer); that process's own "
+        "output says why\n"
+    )
+    monkeypatch.delenv("RANK")  # not a torchrun worker: the error is not ours to explain
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        cli.main([])

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -54,7 +57,17 @@ def test_every_attempt_agrees_on_a_token_of_its_own_whatever_a_dead_attempt_left
 
 
 def _two_nodes(tmp: Path, *args: str, restarts: int = 0) -> str:
-    """Two torchrun agents on this host, 2 processes each (c10d rendezvous); their stderr.
+    """Two torchrun agents on this host, 2 processes each, that must succeed; their output."""
+    codes, output = _two_agents(tmp, lambda node: list(args), restarts=restarts)
+    assert codes == [0, 0], output[-6000:]
+    return output
+
+
+def _two_agents(
+    tmp: Path, args: Callable[[int], list[str]], *, restarts: int = 0, timeout: float = 420
+) -> tuple[list[int | None], str]:
+    """Two torchrun agents on this host, 2 processes each (c10d rendezvous), node ``n``
+    running ``args(n)``; their exit codes (``None``: still running at ``timeout``) and output.
 
     Only torchrun's own environment: nothing like ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``.
     """
@@ -68,18 +81,30 @@ def _two_nodes(tmp: Path, *args: str, restarts: int = 0) -> str:
         agents.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
              "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint,
-             "--rdzv_id", "hyper-parallel-test", "--max-restarts", str(restarts), *args],
+             "--rdzv_id", "hyper-parallel-test", "--max-restarts", str(restarts), *args(node)],
             stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
         ))  # fmt: skip
     try:
-        codes = [agent.wait(timeout=420) for agent in agents]
+        codes = _wait_for_agents(agents, timeout=timeout)
     finally:
         for agent, log in zip(agents, logs, strict=True):
             agent.kill()
             log.close()
-    output = "\n".join((tmp / f"node{n}.log").read_text() for n in (0, 1))
-    assert codes == [0, 0], output[-6000:]
-    return output
+    return codes, "\n".join((tmp / f"node{n}.log").read_text() for n in (0, 1))
+
+
+def _wait_for_agents(agents: list[subprocess.Popen[str]], timeout: float) -> list[int | None]:
+    """Every agent's exit code; once one has failed, the others get 20 s before they are killed.
+
+    A failed node can leave the other's agent waiting in torchrun's exit barrier
+    for minutes: the test says what failed at once instead.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(a.poll() is None for a in agents):
+        if any(a.returncode not in (None, 0) for a in agents):
+            deadline = min(deadline, time.monotonic() + 20)
+        time.sleep(0.2)
+    return [a.poll() for a in agents]
 
 
 def _val_losses(out: Path) -> list[tuple[int, float]]:
@@ -133,6 +158,27 @@ def test_a_rank_killed_on_the_second_node_restarts_both_and_ends_bitwise_equal(
             torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value
         )
         assert same, key
+
+
+def test_node_local_checkpoint_dirs_stop_every_rank_with_one_line_naming_the_dir(
+    tmp_path: Path,
+) -> None:
+    # as on nodes with local disks: each node's --checkpoint-dir is its own; a rank dies at
+    # step 9 and torchrun may restart once. Every rank must stop, long before any timeout.
+    def node_args(node: int) -> list[str]:
+        local = tmp_path / f"node{node}-disk" / "ckpt"
+        return [str(TESTS / "scripts" / "train_with_fault.py"), "9", "2", "--", *TRAIN,
+                "--out", str(tmp_path / f"run{node}"), "--checkpoint-dir", str(local), "--resume"]  # fmt: skip
+
+    codes, output = _two_agents(tmp_path, node_args, restarts=1, timeout=200)
+    assert None not in codes and 0 not in codes, output[-6000:]  # both ended, both failed
+    errors = [line for line in output.splitlines() if line.startswith("hyper-parallel: error:")]
+    assert len(errors) >= 4 and "Traceback" not in "".join(errors), output[-6000:]  # every rank
+    for line in errors:
+        assert re.search(r"Checkpoint directory \S+node[01]-disk/ckpt/muon_adamw: rank \d", line)
+        assert "must be one directory on storage all ranks share" in line
+    assert not list(tmp_path.glob("node*-disk/ckpt/muon_adamw/*")), "nothing may be written"
+    assert "[rank" not in output  # no worker printed a traceback (torchrun's own agents may)
 
 
 @pytest.mark.usefixtures("no_process_group")

@@ -29,6 +29,11 @@ work and agree), so a flipped bit, a truncated copy or a missing file is a
 objects passed in are left as they were. :func:`load_latest` then falls back
 to the newest intact checkpoint, with a warning.
 
+**Ranks agree.** Under a process group, every rank first proves that it sees
+the same directory as the others (a disk local to each node is a
+:class:`CheckpointError` naming it, on every rank), and ``load_latest``
+loads the checkpoint rank 0 chose, on every rank.
+
 Examples:
     >>> manager = CheckpointManager("ckpt", keep_last=3)
     >>> manager.save(step, model=model, optimizer=optimizer, scheduler=scheduler)
@@ -72,6 +77,7 @@ from hyper_parallel.checkpoint._integrity import (
     verified_manifest,
 )
 from hyper_parallel.checkpoint._saving import SaveJob, new_stager, saver
+from hyper_parallel.checkpoint._shared import agreed, check_shared
 from hyper_parallel.checkpoint._state import (
     GROUP_TENSOR_PREFIX,
     OptimizerView,
@@ -172,6 +178,7 @@ def _job(
     step: int,
     extra: Mapping[str, Any] | None,
 ) -> SaveJob:
+    check_shared(target.parent)
     named = named_optimizers(optimizer)
     view = OptimizerView(model, optimizer)
     tensors: dict[str, Any] = {"model": get_model_state_dict(model), "optim": {}}
@@ -234,6 +241,7 @@ def load(
     """
     saver.wait()  # never read a checkpoint this process is still writing
     ckpt = Path(path)
+    check_shared(ckpt.parent)
     return _load_verified(ckpt, verified_manifest(ckpt), model, optimizer, scheduler)
 
 
@@ -381,8 +389,10 @@ def load_latest(
             given (see :func:`load`).
     """
     saver.wait()
+    check_shared(Path(root))
     tried = []
-    for ckpt in _candidates(Path(root)):
+    # rank 0 chooses the order to try; every rank verifies each alike (collectively)
+    for ckpt in [Path(root) / name for name in agreed([c.name for c in _candidates(Path(root))])]:
         try:
             meta = verified_manifest(ckpt)
         except CheckpointError as exc:
@@ -487,6 +497,15 @@ class CheckpointManager:
             The manager keeps its CPU copy of the state between saves, so
             later saves copy into it instead of allocating anew.
 
+    Under a process group, make it on every rank: it checks, collectively,
+    that every rank sees the same ``root`` (each writes a marker file there
+    and looks for the others'), before anything is saved or loaded.
+
+    Raises:
+        CheckpointError: some rank does not see the files the others wrote in
+            ``root`` (a disk local to each node); the message names ``root``
+            and that rank, on every rank alike.
+
     Examples:
         >>> manager = CheckpointManager("ckpt", keep_last=2)
         >>> manager.save(100, model=model, optimizer=opt, scheduler=sched)
@@ -509,6 +528,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.async_save = bool(async_save)
         self._stager: DefaultStager | None = None  # one CPU copy of the state, reused
+        check_shared(self.root)
 
     def path_for(self, step: int) -> Path:
         """The directory of the checkpoint at ``step``."""

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from hyper_parallel.cli import main
+from hyper_parallel.cli import run
 from hyper_parallel.train import TinyGPT
 
 kill_at, kill_rank = int(sys.argv[1]), sys.argv[2]
@@ -32,4 +32,4 @@ def loss_with_fault(self: TinyGPT, batch: torch.Tensor) -> torch.Tensor:
 
 
 TinyGPT.loss = loss_with_fault  # type: ignore[method-assign]
-raise SystemExit(main(args))
+run(args)
