@@ -53,6 +53,30 @@ def _own_working_directory(
 
 
 @pytest.fixture
+def no_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a ``train`` run starts: a refusal comes before any model or step."""
+    from hyper_parallel.train import run as run_module
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a training run started before the refusal")
+
+    monkeypatch.setattr(run_module._Run, "start", classmethod(refuse))
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one stderr line of a refused ``hyper-parallel train`` call (exit 2, no traceback)."""
+    from hyper_parallel.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["train", *argv])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+@pytest.fixture
 def fresh_registry() -> Iterator[None]:
     """Reload plugins before and after the test (env changes, monkeypatched discovery)."""
     get_registry().reset()

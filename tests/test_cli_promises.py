@@ -17,29 +17,9 @@ from typing import Any
 import pytest
 
 from conftest import TINY_TRAIN_ARGS as TINY
+from conftest import refused
 from hyper_parallel.cli import main
 from hyper_parallel.train import run as run_module
-
-
-@pytest.fixture
-def no_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if a run starts: every error must come before any model or step."""
-
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("a training run started before the error")
-
-    monkeypatch.setattr(run_module._Run, "start", classmethod(refuse))
-
-
-def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """The one stderr line of a refused ``train`` call (exit code 2, no traceback)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        main(["train", *argv])
-    assert info.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in lines[0], lines
-    return lines[0]
 
 
 def _train(argv: list[str]) -> int:
@@ -80,7 +60,7 @@ def test_unusable_paths_are_refused_before_any_step(
         "read_only": _read_only_dir(tmp_path),
     }[where]
     argv = [*TINY, "--out", str(tmp_path / "o"), flag, str(path)]
-    line = _refused(argv, capsys)
+    line = refused(argv, capsys)
     assert f"{flag} {path}: " in line and says.replace("{tmp}", str(tmp_path)) in line
     assert not (tmp_path / "o").exists()
 
@@ -91,7 +71,7 @@ def test_a_second_run_into_the_same_out_needs_overwrite(
     out = tmp_path / "run"
     assert _train(["--steps", "2", "--eval-every", "2", "--out", str(out)]) == 0
     first = (out / "summary.json").read_text()
-    line = _refused([*TINY, "--steps", "3", "--out", str(out)], capsys)
+    line = refused([*TINY, "--steps", "3", "--out", str(out)], capsys)
     assert f"--out {out}: the directory is not empty" in line and "--overwrite" in line
     assert (out / "summary.json").read_text() == first  # the first run's results are kept
     assert _train(["--steps", "3", "--eval-every", "3", "--out", str(out), "--overwrite"]) == 0
@@ -109,7 +89,7 @@ def test_data_too_short_counts_the_whole_file(
     data.write_text("abcdefghij" * (size // 10))
     argv = ["--data", str(data), "--tokenizer", tokenizer, "--seq-len", "128",
             "--out", str(tmp_path / "o")]  # fmt: skip
-    line = _refused(argv, capsys)
+    line = refused(argv, capsys)
     unit = "bytes" if tokenizer == "byte" else "characters"
     assert f"the file has {size:,} {unit}; --seq-len 128 needs at least 1,301" in line
 
@@ -126,7 +106,7 @@ def test_byte_tokenizer_reads_any_file(tmp_path: Path) -> None:
 def test_argparse_never_shows_internal_names(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    line = _refused(["--steps", "abc"], capsys)
+    line = refused(["--steps", "abc"], capsys)
     assert "--steps: expected a whole number >= 1, got 'abc'" in line and "_positive" not in line
 
 
@@ -144,7 +124,7 @@ def test_argparse_never_shows_internal_names(
 def test_optimizers_train_cannot_step_are_refused_and_marked(
     tmp_path: Path, name: str, why: str, no_step: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    line = _refused(["--optimizer", name, "--out", str(tmp_path / "o")], capsys)
+    line = refused(["--optimizer", name, "--out", str(tmp_path / "o")], capsys)
     assert f"--optimizer {name}: train cannot use it: " in line and why in line
     with pytest.raises(SystemExit):
         main(["train", "--help"])
@@ -157,7 +137,7 @@ def test_optimizers_train_cannot_step_are_refused_and_marked(
 def test_a_run_that_cannot_fit_in_memory_is_refused_with_the_estimate(
     tmp_path: Path, no_step: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    line = _refused(["--batch-size", "100000", "--out", str(tmp_path / "o")], capsys)
+    line = refused(["--batch-size", "100000", "--out", str(tmp_path / "o")], capsys)
     assert line.startswith("hyper-parallel: error: --batch-size 100000: a training step needs")
     assert "GiB is free; lower --batch-size or --seq-len" in line
 
@@ -231,3 +211,28 @@ def test_console_script_refusal_is_one_line_without_traceback(tmp_path: Path) ->
     assert result.stderr.strip() == (
         f"hyper-parallel: error: --out {tmp_path / 'file'}: is a file; give a directory"
     )
+
+
+def test_sharding_without_torchrun_names_the_command_that_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    line = refused([*TINY, "--sharding", "fsdp", "--out", str(tmp_path / "o")], capsys)
+    assert line.endswith(
+        "--sharding fsdp shards the model over the processes torchrun starts; run: torchrun "
+        "--nproc_per_node 2 -m hyper_parallel train --sharding fsdp (and your other options)"
+    )
+
+
+def test_a_run_is_labelled_by_the_optimizers_it_used(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "o"
+    argv = ["--steps", "2", "--eval-every", "2", "--partitioner", "by_family", "--out", str(out)]
+    assert _train(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("training muon+adamw for 2 steps on built-in")  # before any step
+    run = json.loads((out / "summary.json").read_text())["runs"]["muon+adamw"]
+    assert run["label"] == "muon+sinkhorn+adamw"
+    assert sorted(run["optimizers"]) == ["adamw", "muon", "sinkhorn"]
+    assert "muon+sinkhorn+adamw: 2 steps in" in printed

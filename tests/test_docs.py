@@ -4,11 +4,10 @@
 * every built-in the registry holds is documented on the built-ins page, and every
   built-in sharding backend is listed wherever the README and the docs list backends;
 * both user guides name the guide's API;
-* every Python block of the example pages compiles, and runs in page order (in a
-  temporary working directory) unless it is marked
-  ``<!-- docs-test: compile-only ... -->`` on the line above;
+* every Python block of README.md and the docs compiles, fragments included (the
+  root ``conftest.py`` runs every page's blocks through Sybil);
 * the plugin guide's example package, written out from its titled blocks,
-  installs and passes its own tests;
+  installs and passes its own tests, and the guide's blocks run against it;
 * ``mkdocs build --strict`` passes (when mkdocs is installed).
 """
 
@@ -22,15 +21,16 @@ import os
 import re
 import subprocess
 import sys
-import warnings
-from collections.abc import Iterator
+import unittest
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from installing import pip_install_into
+from sybil import Document
+from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
+from sybil.parsers.markdown.lexers import FencedCodeBlockLexer
 
 from hyper_parallel import PluginKind, get_registry
 from hyper_parallel.core.plugin import hookspecs
@@ -39,60 +39,45 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PROJECT = "hyper-parallel"
 
-#: Pages whose Python blocks are checked: all compile; unmarked ones run in order.
-EXAMPLE_PAGES = (
-    "index.md",
-    "quickstart.md",
-    "user-guide.md",
-    "user-guide.zh.md",
-    "choosing-muon.md",
-    "coming-from-hyperparallel.md",
-    "coming-from-hyperparallel.zh.md",
-    "coming-from-torch-muon.md",
-    "coming-from-torch-muon.zh.md",
-    "plugins.md",
-)
+#: README.md and every page of the docs, relative to the repository root.
+PAGES = ("README.md", *sorted(f"docs/{p.name}" for p in DOCS.glob("*.md")))
 GUIDE_API = ("get_hyper_optimizer", "get_hyper_lr_scheduler", "ChainedOptimizer", "Muon", "AdamW")
-COMPILE_ONLY = "<!-- docs-test: compile-only"
-
-_FENCE = re.compile(
-    r"^(?P<marker><!-- docs-test:[^\n]*-->\n)?"
-    r"```(?P<lang>[\w+-]*)(?P<attrs>[^\n]*)\n(?P<body>.*?)^```[ \t]*$",
-    flags=re.M | re.S,
-)
+#: The line above a block that cannot run here (Sybil's skip directive).
+FRAGMENT = re.compile(r'<!-- skip: next "fragment: [^"]+" -->\n$')
 _TITLE = re.compile(r'title="([^"]+)"')
 
 
 @dataclass(frozen=True)
 class Block:
-    """One fenced code block of a docs page."""
+    """One fenced code block of a page, as Sybil's Markdown lexer reads it."""
 
     page: str
     line: int
     lang: str
     title: str | None
-    compile_only: bool
+    fragment: bool  # marked as a fragment: compiled, never run
     source: str
 
     @property
     def where(self) -> str:
-        return f"docs/{self.page}:{self.line}"
+        return f"{self.page}:{self.line}"
 
 
 def _blocks(page: str) -> list[Block]:
-    text = (DOCS / page).read_text(encoding="utf-8")
+    text = (ROOT / page).read_text(encoding="utf-8")
+    document = Document(text, str(ROOT / page))
     blocks = []
-    for match in _FENCE.finditer(text):
-        title = _TITLE.search(match["attrs"])
-        marker = match["marker"] or ""
+    for region in FencedCodeBlockLexer(language=r".+")(document):
+        info = str(region.lexemes["language"])
+        title = _TITLE.search(info)
         blocks.append(
             Block(
                 page=page,
-                line=text.count("\n", 0, match.start("body")) + 1,
-                lang=match["lang"],
+                line=text.count("\n", 0, region.start) + 2,
+                lang=info.split()[0],
                 title=title.group(1) if title else None,
-                compile_only=marker.startswith(COMPILE_ONLY),
-                source=match["body"],
+                fragment=bool(FRAGMENT.search(text[: region.start])),
+                source=str(region.lexemes["source"]),
             )
         )
     return blocks
@@ -249,9 +234,7 @@ def test_user_guides_name_the_guides_api(page: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "block",
-    [b for page in EXAMPLE_PAGES for b in _python_blocks(page)],
-    ids=lambda b: b.where,
+    "block", [b for page in PAGES for b in _python_blocks(page)], ids=lambda b: b.where
 )
 def test_python_block_compiles(block: Block) -> None:
     compile(block.source, block.where, "exec")
@@ -259,53 +242,31 @@ def test_python_block_compiles(block: Block) -> None:
 
 def test_toml_blocks_parse() -> None:
     tomllib = pytest.importorskip("tomllib")
-    blocks = [b for page in EXAMPLE_PAGES for b in _blocks(page) if b.lang == "toml"]
+    blocks = [b for page in PAGES for b in _blocks(page) if b.lang == "toml"]
     assert blocks
     for block in blocks:
         tomllib.loads(block.source)
 
 
-def _runnable(block: Block) -> bool:
-    return not block.compile_only and block.title is None
+def test_blocks_are_read_as_sybil_reads_them() -> None:
+    blocks = _python_blocks("docs/plugins.md")
+    assert any(b.fragment for b in blocks) and any(not b.fragment for b in blocks)
+    assert any(b.title for b in blocks)
+    first = blocks[0]
+    lines = (ROOT / first.page).read_text(encoding="utf-8").splitlines()
+    assert lines[first.line - 2].startswith("```python")  # the block's first line follows
+    assert first.source.startswith(lines[first.line - 1])
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """The examples are tiny: on a busy machine a thread pool only adds contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _run(blocks: list[Block], namespace: dict[str, Any]) -> None:
-    for block in filter(_runnable, blocks):
-        with warnings.catch_warnings(record=True):
-            warnings.simplefilter("always")  # documented warnings must not leak out
-            exec(compile(block.source, block.where, "exec"), namespace)
-
-
-@pytest.mark.parametrize("page", ["quickstart.md", "user-guide.md", "plugins.md"])
+@pytest.mark.parametrize("page", ["docs/quickstart.md", "docs/user-guide.md", "docs/plugins.md"])
 def test_main_pages_have_running_examples(page: str) -> None:
-    assert any(_runnable(b) for b in _python_blocks(page))
-
-
-@pytest.mark.usefixtures("fresh_registry", "one_thread")
-@pytest.mark.parametrize(
-    "page",
-    [p for p in EXAMPLE_PAGES if p != "plugins.md" and any(map(_runnable, _python_blocks(p)))],
-)
-def test_page_examples_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)  # a block that writes by a relative path writes here
-    _run(_python_blocks(page), {"__name__": f"docs_{page}"})
+    assert any(not b.fragment and b.title is None for b in _python_blocks(page))
 
 
 @pytest.fixture
 def example_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Write the plugin guide's titled blocks out as files and pip-install the package."""
-    files = [b for b in _blocks("plugins.md") if b.title is not None]
+    files = [b for b in _blocks("docs/plugins.md") if b.title is not None]
     assert files, "docs/plugins.md has no titled file blocks"
     for block in files:
         path = tmp_path / "src" / block.title
@@ -321,15 +282,15 @@ def example_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "src"
 
 
-@pytest.mark.usefixtures("fresh_registry", "one_thread")
+@pytest.mark.usefixtures("fresh_registry")
 def test_plugin_guide_examples_and_example_package(
     example_package: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(example_package)  # a block that writes by a relative path writes here
-    blocks = _python_blocks("plugins.md")
+    blocks = _python_blocks("docs/plugins.md")
     modules = {Path(b.title).stem for b in blocks if b.title and "/tests/" not in b.title}
     try:
-        _run(blocks, {"__name__": "docs_plugins"})
+        _run_with_sybil(ROOT / "docs" / "plugins.md")
         tests = [b for b in blocks if b.title and "/tests/" in b.title]
         assert tests, "the example package has no tests block"
         for block in tests:
@@ -342,6 +303,19 @@ def test_plugin_guide_examples_and_example_package(
     finally:
         for module in modules:
             monkeypatch.delitem(sys.modules, module, raising=False)
+
+
+def _run_with_sybil(page: Path) -> None:
+    """Run a page's blocks in order, as the root conftest.py does for the other pages."""
+    document = Document.parse(str(page), SkipParser(), PythonCodeBlockParser())
+    ran = 0
+    for example in document.examples():
+        try:
+            example.evaluate()
+        except unittest.SkipTest:
+            continue  # a fragment
+        ran += 1
+    assert ran, f"{page} ran no block"
 
 
 # -- the site -------------------------------------------------------------------

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import re
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from sybil import Document
+from sybil.parsers.markdown.lexers import FencedCodeBlockLexer
 from torch import nn
 
 from conftest import TinyLM
@@ -102,7 +103,9 @@ model.set_gradient_scaling_factor(scale_factor=0.5)
 
 
 def _guide_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", GUIDE.read_text(encoding="utf-8"), flags=re.S)
+    """The guide's Python blocks, as Sybil's Markdown lexer reads them."""
+    document = Document(GUIDE.read_text(encoding="utf-8"), str(GUIDE))
+    return [str(r.lexemes["source"]) for r in FencedCodeBlockLexer(language="python")(document)]
 
 
 @pytest.mark.skipif(

@@ -175,7 +175,11 @@ class TrainConfig:
         ),
     )
     checkpoint_dir: Path | None = field(
-        default=None, metadata=_option("save checkpoints here (one folder per run)")
+        default=None,
+        metadata=_option(
+            "save checkpoints here: one folder per run, the last two of each kept; under "
+            "torchrun, on storage every rank shares"
+        ),
     )
     checkpoint_every: int = field(
         default=0,

@@ -62,6 +62,8 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
             "interrupted": r.interrupted,
             "skipped_steps": r.skipped,
             "resumed_from_step": r.resumed_from,
+            "label": r.label,
+            "optimizers": r.optimizers,
         }
         for r in results
     }
@@ -85,30 +87,44 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
     return summary
 
 
+def _run_line(label: str, run: dict[str, Any]) -> str:
+    """One run of the summary: its steps, time, speed and final losses."""
+    flag = "  (interrupted)" if run["interrupted"] else ""
+    val = run["final_val_loss"]
+    if run["final_train_loss"] is None or val is None:
+        return f"{label:>14}: {run['steps']} steps{flag}"
+    # an interrupted run's last validation may be older than its last step: say so
+    at = f" (at step {run['final_val_step']})" if run["final_val_step"] != run["steps"] else ""
+    since = run.get("resumed_from_step", 0)
+    ran = f" ({run['steps'] - since} since step {since})" if since else ""
+    return (
+        f"{label:>14}: {run['steps']} steps{ran} in {run['seconds']:.0f} s, "
+        f"{run['tokens_per_s']:,} tok/s, train loss {run['final_train_loss']:.4f}, "
+        f"val loss {val:.4f}{at}{flag}"
+    )
+
+
+def _label_of_first(summary: dict[str, Any]) -> str:
+    name, run = next(iter(summary["runs"].items()))
+    return str(run.get("label", name))
+
+
 def _print_summary(summary: dict[str, Any], out: Path, echo: Callable[[str], None]) -> None:
     echo(f"data: {summary['data']}")
     for name, run in summary["runs"].items():
-        flag = "  (interrupted)" if run["interrupted"] else ""
-        val = run["final_val_loss"]
-        # an interrupted run's last validation may be older than its last step: say so
-        at = f" (at step {run['final_val_step']})" if run["final_val_step"] != run["steps"] else ""
-        echo(
-            f"{name:>14}: {run['steps']} steps in {run['seconds']:.0f} s, {run['tokens_per_s']:,} tok/s, "
-            f"train loss {run['final_train_loss']:.4f}, val loss {val:.4f}{at}{flag}"
-            if run["final_train_loss"] is not None and val is not None
-            else f"{name:>14}: {run['steps']} steps{flag}"
-        )
+        echo(_run_line(run.get("label", name), run))
     cmp = summary.get("comparison")
     if cmp:
+        ours = _label_of_first(summary)
         if cmp["steps_to_reach"] is None:
             echo(
-                f"{next(iter(summary['runs']))} did not reach {cmp['baseline']}'s final val loss {cmp['target_val_loss']:.4f}"
+                f"{ours} did not reach {cmp['baseline']}'s final val loss {cmp['target_val_loss']:.4f}"
             )
         else:
             echo(
-                f"{next(iter(summary['runs']))} reached {cmp['baseline']}'s final val loss "
-                f"{cmp['target_val_loss']:.4f} at step {cmp['steps_to_reach']:.0f} of {cmp['baseline_steps']} "
-                f"(step ratio {cmp['step_ratio']:.2f})"
+                f"{ours} reached {cmp['baseline']}'s final val loss "
+                f"{cmp['target_val_loss']:.4f} at step {cmp['steps_to_reach']:.0f} of "
+                f"{cmp['baseline_steps']} (step ratio {cmp['step_ratio']:.2f})"
             )
     echo(f"wrote {', '.join(str(out / n) for n in RUN_OUTPUTS if (out / n).exists())}")
 
@@ -181,6 +197,11 @@ def _train_placed(
         if config.overwrite and not config.resume:  # the run being replaced leaves nothing behind
             for name in RUN_OUTPUTS:
                 (config.out / name).unlink(missing_ok=True)
+        processes = f" on {placement.world_size} processes" if placement.world_size > 1 else ""
+        echo(
+            f"training {' then '.join(run_names(config))} for {config.steps} steps on "
+            f"{data.source}{processes}; writing {config.out}"
+        )
     progress = _progress_factory() if config.progress and main else None
     metrics = Metrics(config.out / "metrics.jsonl" if main else None, append=config.resume)
     results: list[RunResult] = []

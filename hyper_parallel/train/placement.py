@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,12 @@ def place(config: TrainConfig) -> Placement:
         raise TrainError(
             f"--sharding {config.sharding}: train shards its model with fsdp or hsdp; "
             f"{backend.name!r} is not supported here"
+        )
+    if not dist.is_initialized() and "RANK" not in os.environ:
+        raise TrainError(
+            f"--sharding {config.sharding} shards the model over the processes torchrun starts; "
+            f"run: torchrun --nproc_per_node 2 -m hyper_parallel train --sharding "
+            f"{config.sharding} (and your other options)"
         )
     mesh = _mesh(config.sharding, backend.name, world)
     device = (

@@ -38,7 +38,7 @@ def plot_losses(results: Sequence[RunResult], path: Path, *, title: str = "") ->
                 color=color,
                 alpha=0.45,
                 linewidth=1.0,
-                label=f"{result.name} train",
+                label=f"{result.label} train",
             )
         if result.val_losses:
             steps, losses = zip(*result.val_losses, strict=True)
@@ -49,7 +49,7 @@ def plot_losses(results: Sequence[RunResult], path: Path, *, title: str = "") ->
                 marker="o",
                 markersize=3,
                 linewidth=1.8,
-                label=f"{result.name} validation",
+                label=f"{result.label} validation",
             )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")

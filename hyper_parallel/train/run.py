@@ -50,6 +50,15 @@ class RunResult:
     interrupted: bool = False
     skipped: list[int] = field(default_factory=list)  # steps skipped for non-finite gradients
     resumed_from: int = 0  # the checkpoint's step; seconds and tokens_per_s count from there
+    optimizers: list[str] = field(default_factory=list)  # the sub-optimizers, in step order
+
+    @property
+    def label(self) -> str:
+        """The run as plots and summaries show it: ``muon+adamw``'s split names what it used."""
+        if self.name != MUON_ADAMW or set(self.optimizers) <= {"muon", "adamw"}:
+            return self.name
+        rank = {"muon": 0, "adamw": 2}
+        return "+".join(sorted(self.optimizers, key=lambda n: rank.get(n, 1)))
 
     @property
     def final_val_loss(self) -> float | None:
@@ -249,8 +258,9 @@ class _Run:
                 checkpoints, model, optimizer, scheduler, train_batches, placement.rank == 0
             )
         result = RunResult.resumed(name, done, metrics.resume(name, done) if config.resume else [])
+        result.optimizers = list(optimizer.optimizers)
         bar = (
-            progress_factory(total=config.steps, initial=done, desc=name)
+            progress_factory(total=config.steps, initial=done, desc=result.label)
             if progress_factory
             else None
         )
