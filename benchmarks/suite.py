@@ -233,7 +233,7 @@ def _muon_sets(settings: Settings) -> list[tuple[str, list[tuple[int, int]], boo
 
 def case_muon(settings: Settings) -> Iterator[Row]:
     """Muon step on transformer- and expert-shaped matrices: ours against every peer's Muon."""
-    from hyper_parallel.core._torch_private import cpu_has_native_bf16
+    from hyper_parallel.core.compat import cpu_has_native_bf16
     from hyper_parallel_builtins.muon import Muon, default_ns_dtype
 
     device = settings.device

@@ -19,7 +19,7 @@ from distributed import free_port
 from test_torchrun import TESTS, _checkpoint_values, _torchrun
 
 from conftest import TINY_TRAIN_ARGS
-from hyper_parallel.core._torch_private import TCPStore
+from hyper_parallel.core.compat import TCPStore
 from hyper_parallel.core.distributed import hsdp_mesh
 from hyper_parallel.core.distributed._mesh import agree_on_attempt_token, hsdp_mesh_shape
 

@@ -105,11 +105,13 @@ def test_the_guides_import_loads_no_fsdp_or_dtensor() -> None:
 PUBLIC_MODULES = [
     "hyper_parallel",
     "hyper_parallel.checkpoint",
+    "hyper_parallel.core.compat",
     "hyper_parallel.core.distributed",
     "hyper_parallel.core.distributed.cost",
     "hyper_parallel.core.distributed.toolkit",
     "hyper_parallel.core.errors",
     "hyper_parallel.core.optimizer",
+    "hyper_parallel.core.options",
     "hyper_parallel.core.plugin",
     "hyper_parallel.testing",
 ]
@@ -160,10 +162,42 @@ def test_private_torch_apis_live_in_one_module() -> None:
     found = [
         hit
         for path in _shipped_sources()
-        if path.name != "_torch_private.py"
+        if path.name != "compat.py"
         for hit in _private_torch_imports(path)
     ]
-    assert not found, (
-        "import private torch APIs through hyper_parallel.core._torch_private: " + ", ".join(found)
+    assert not found, "import private torch APIs through hyper_parallel.core.compat: " + ", ".join(
+        found
     )
-    assert _private_torch_imports(PACKAGE / "core" / "_torch_private.py")  # the scan sees them
+    assert _private_torch_imports(PACKAGE / "core" / "compat.py")  # the scan sees them
+
+
+def _private_names_imported(path: Path) -> list[str]:
+    """``hyper_parallel`` modules or names starting with ``_`` that ``path`` imports."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").split(".")[0] == "hyper_parallel"
+        ):
+            parts = (node.module or "").split(".")
+            names = [a.name for a in node.names]
+            if any(p.startswith("_") for p in parts) or any(n.startswith("_") for n in names):
+                found.append(
+                    f"{path.name}:{node.lineno} from {node.module} import {', '.join(names)}"
+                )
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "hyper_parallel" and any(p.startswith("_") for p in parts):
+                    found.append(f"{path.name}:{node.lineno} import {alias.name}")
+    return found
+
+
+def test_builtins_import_only_what_a_third_party_can() -> None:
+    import hyper_parallel_builtins
+
+    root = Path(hyper_parallel_builtins.__file__).parent
+    found = [hit for path in sorted(root.rglob("*.py")) for hit in _private_names_imported(path)]
+    assert not found, "built-in plugins use hyper_parallel's public API only: " + ", ".join(found)
+    assert _private_names_imported(PACKAGE / "checkpoint" / "__init__.py")  # the scan sees them

@@ -87,7 +87,7 @@ from hyper_parallel.checkpoint._state import (
     named_optimizers,
     split_optimizer,
 )
-from hyper_parallel.core._torch_private import checkpoint_fqn
+from hyper_parallel.core.compat import checkpoint_fqn
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer._main_params import (
     warn_main_params_dropped,

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.optim import Optimizer
 
 from hyper_parallel.checkpoint._errors import CheckpointError
-from hyper_parallel.core._torch_private import checkpoint_fqn
+from hyper_parallel.core.compat import checkpoint_fqn
 from hyper_parallel.core.optimizer import MainParams
 
 __all__ = [

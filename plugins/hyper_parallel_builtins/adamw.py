@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from hyper_parallel import hookimpl
-from hyper_parallel.core._suggest import check_group_keys
-from hyper_parallel.core._torch_private import fused_kernel_devices
+from hyper_parallel.core.compat import fused_kernel_devices
+from hyper_parallel.core.options import check_group_keys
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = ["AdamW"]

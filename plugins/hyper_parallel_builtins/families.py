@@ -34,12 +34,12 @@ from typing import Any
 from torch import nn
 
 from hyper_parallel import hookimpl
-from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.errors import (
     HyperParallelConfigError,
     HyperParallelTypeError,
     HyperParallelValueError,
 )
+from hyper_parallel.core.options import did_you_mean
 from hyper_parallel.core.plugin import PluginKind, RegisterFn, get_registry
 from hyper_parallel_builtins.param_roles import NamedParam, named_params, output_head_ids
 

@@ -64,7 +64,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel import hookimpl
-from hyper_parallel.core._env import env_switch
 from hyper_parallel.core.distributed import (
     BlocksFn,
     Need,
@@ -97,6 +96,7 @@ from hyper_parallel.core.distributed.toolkit import (
     shard_like,
 )
 from hyper_parallel.core.errors import HyperParallelValueError
+from hyper_parallel.core.options import env_switch
 from hyper_parallel.core.plugin import RegisterFn
 
 if TYPE_CHECKING:

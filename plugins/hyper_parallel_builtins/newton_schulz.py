@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from hyper_parallel.core._suggest import did_you_mean
-from hyper_parallel.core._torch_private import cpu_has_native_bf16
+from hyper_parallel.core.compat import cpu_has_native_bf16
 from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelValueError
+from hyper_parallel.core.options import did_you_mean
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

@@ -30,8 +30,8 @@ import math
 import numbers
 
 from hyper_parallel import hookimpl
-from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
+from hyper_parallel.core.options import did_you_mean
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = [

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.optim import Optimizer
 
 # torch's own rule for where foreach kernels exist (the one its clip_grad_norm_ uses).
-from hyper_parallel.core._torch_private import device_has_foreach_support
+from hyper_parallel.core.compat import device_has_foreach_support
 from hyper_parallel.core.errors import (
     HyperParallelRuntimeError,
     HyperParallelTypeError,

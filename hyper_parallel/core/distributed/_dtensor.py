@@ -8,7 +8,7 @@ actually has DTensors.
 
 FSDP over a tensor-parallel param splits one tensor dim twice; torch writes
 the outer split as ``_StridedShard``, a private placement, reached through
-:mod:`hyper_parallel.core._torch_private`.
+:mod:`hyper_parallel.core.compat`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hyper_parallel.core._torch_private import strided_shard_type
+from hyper_parallel.core.compat import strided_shard_type
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
-from hyper_parallel.core._torch_private import fsdp_param_groups
+from hyper_parallel.core.compat import fsdp_param_groups
 from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
-from hyper_parallel.core._torch_private import PrefixStore, Store, TCPStore
+from hyper_parallel.core.compat import PrefixStore, Store, TCPStore
 from hyper_parallel.core.errors import (
     HyperParallelImportError,
     HyperParallelRuntimeError,

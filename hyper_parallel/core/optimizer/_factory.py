@@ -13,12 +13,6 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from hyper_parallel.core._suggest import (
-    accepted_keywords,
-    check_group_keys,
-    check_keywords,
-    did_you_mean,
-)
 from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
 from hyper_parallel.core.errors import (
     HyperParallelConfigError,
@@ -27,6 +21,12 @@ from hyper_parallel.core.errors import (
 )
 from hyper_parallel.core.optimizer._chained import ChainedOptimizer
 from hyper_parallel.core.optimizer._main_params import MainParams
+from hyper_parallel.core.options import (
+    accepted_keywords,
+    check_group_keys,
+    check_keywords,
+    did_you_mean,
+)
 from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry, normalize_name
 
 __all__ = ["get_hyper_optimizer"]

@@ -18,10 +18,10 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from hyper_parallel.core._suggest import check_group_keys
 from hyper_parallel.core.distributed import GroupBackends, ShardingBackend
 from hyper_parallel.core.distributed.toolkit import local_tensor, shard_like
 from hyper_parallel.core.errors import HyperParallelRuntimeError
+from hyper_parallel.core.options import check_group_keys
 
 __all__ = [
     "MatrixOptimizer",

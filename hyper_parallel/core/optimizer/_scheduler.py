@@ -35,8 +35,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
+from hyper_parallel.core.options import did_you_mean
 from hyper_parallel.core.plugin import PluginKind, get_registry
 
 __all__ = [

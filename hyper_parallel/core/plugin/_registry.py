@@ -28,8 +28,6 @@ from typing import Any
 
 import pluggy
 
-from hyper_parallel.core._env import env_switch
-from hyper_parallel.core._suggest import did_you_mean
 from hyper_parallel.core.errors import (
     DuplicatePluginError,
     HyperParallelKeyError,
@@ -38,6 +36,7 @@ from hyper_parallel.core.errors import (
     PluginLoadError,
     UnknownPluginError,
 )
+from hyper_parallel.core.options import did_you_mean, env_switch
 from hyper_parallel.core.plugin import hookspecs
 from hyper_parallel.core.plugin._checks import check_obj
 from hyper_parallel.core.plugin._markers import PROJECT_NAME

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hyper_parallel.core._suggest import did_you_mean
-from hyper_parallel.core._torch_private import cpu_has_native_bf16
+from hyper_parallel.core.compat import cpu_has_native_bf16
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
+from hyper_parallel.core.options import did_you_mean
 from hyper_parallel_builtins.muon._matrices import MATRIX_VIEWS, check_blocks
 from hyper_parallel_builtins.newton_schulz import (
     COEFFICIENT_SETS,

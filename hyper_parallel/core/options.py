@@ -1,9 +1,14 @@
-"""Close-match hints and keyword-argument checks shared by every factory."""
+"""What a plugin checks in what it is given: close-match hints, keywords, group keys, switches.
+
+Public for plugin authors: the built-in optimizers, schedules and partitioners
+use these, and a third-party plugin can give its users the same errors.
+"""
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -15,6 +20,7 @@ __all__ = [
     "check_group_keys",
     "check_keywords",
     "did_you_mean",
+    "env_switch",
 ]
 
 
@@ -87,3 +93,28 @@ def check_group_keys(group: Mapping[str, Any], options: Iterable[str], *, where:
                 f"Unknown key {key!r} in a param group of {where}.{did_you_mean(str(key), known)} "
                 f"A group may set: {', '.join(sorted(set(options)))}."
             )
+
+
+_SWITCH_VALUES = {
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("0", "false", "no", "off"), False),
+}
+
+
+def env_switch(name: str, *, default: bool, meaning: str) -> bool:
+    """The on/off value of ``$name``: ``default`` when unset or empty.
+
+    ``1``/``true``/``yes``/``on`` and ``0``/``false``/``no``/``off`` (any case)
+    are accepted; anything else is a ``ValueError`` that names the variable
+    and says what 1 (``meaning``) and 0 do.
+    """
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return _SWITCH_VALUES[value.lower()]
+    except KeyError:
+        raise HyperParallelValueError(
+            f"{name}={value!r} is not a switch: set it to 1 ({meaning}) or 0 (not); "
+            "true/false, yes/no and on/off are accepted too."
+        ) from None

@@ -1,8 +1,9 @@
-"""Every private torch API hyper_parallel uses, in one place.
+"""Every private torch API hyper_parallel uses, in one place, behind public helpers.
 
 A torch release that renames one of these breaks this module alone, and the
 tests that exercise each helper (FSDP x TP layouts, the gradient scaling
-factor, clipping on devices without foreach kernels) say which.
+factor, clipping on devices without foreach kernels) say which. Plugins use
+these helpers rather than torch's private names.
 """
 
 from __future__ import annotations
