@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import re
 from pathlib import Path
 
 import hyper_parallel
@@ -201,3 +202,81 @@ def test_builtins_import_only_what_a_third_party_can() -> None:
     found = [hit for path in sorted(root.rglob("*.py")) for hit in _private_names_imported(path)]
     assert not found, "built-in plugins use hyper_parallel's public API only: " + ", ".join(found)
     assert _private_names_imported(PACKAGE / "checkpoint" / "__init__.py")  # the scan sees them
+
+
+#: The packages of hyper_parallel, lowest layer first: a module imports only from its own
+#: layer or lower ones.
+LAYERS = (
+    ("core.errors", "core.options", "core.compat", "core._grads"),
+    ("core.plugin",),
+    ("core.distributed",),
+    ("core.optimizer",),
+    ("checkpoint",),
+    ("train",),
+    ("cli", "testing", "__main__"),
+)
+
+
+def _layer(module: str) -> int | None:
+    name = module.removeprefix("hyper_parallel.")
+    for level, packages in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in packages):
+            return level
+    return None
+
+
+def test_layers_point_one_way() -> None:
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        level = _layer(module.removesuffix(".__init__"))
+        if level is None:
+            continue
+        for imported in _imported_modules(path):
+            other = _layer(imported) if imported.startswith("hyper_parallel.") else None
+            if other is not None and other > level:
+                upward.append(f"{module} imports {imported}")
+    assert not upward, "a lower layer imports a higher one: " + ", ".join(upward)
+    assert _layer("hyper_parallel.core.distributed._clip_grad") == 2  # the map covers core
+
+
+def _names_defined_here(paths: list[Path]) -> set[str]:
+    """Every name our own code defines: functions, classes, attributes, variables, modules."""
+    names = {path.stem for path in paths}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.alias):
+                names.add((node.asname or node.name).split(".")[-1])
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+    return names
+
+
+#: Private-looking attributes that are not torch's private API: torch's documented
+#: ``torch._foreach_*`` kernels (torch.optim's own building blocks) and ``os._exit``.
+_NOT_TORCH_PRIVATE = re.compile(r"^_foreach_\w+$|^_exit$")
+
+
+def test_torch_private_attributes_are_used_in_the_compat_module_only() -> None:
+    sources = _shipped_sources()
+    ours = _names_defined_here(sources)
+    found = []
+    for path in sources:
+        if path.name == "compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            attr = node.attr
+            if attr.startswith("__") or attr in ours or _NOT_TORCH_PRIVATE.match(attr):
+                continue
+            found.append(f"{path.name}:{node.lineno} .{attr}")
+    assert not found, "use torch's private API through hyper_parallel.core.compat: " + ", ".join(
+        found
+    )

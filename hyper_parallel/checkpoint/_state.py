@@ -69,9 +69,9 @@ class OptimizerView:
             *path, leaf = fqn.split(".")
             owner = self.module
             for part in path:
-                if part not in owner._modules:
+                if part not in dict(owner.named_children()):
                     owner.add_module(part, nn.Module())
-                owner = owner._modules[part]  # type: ignore[assignment]
+                owner = owner.get_submodule(part)
             owner.register_parameter(leaf, held)  # type: ignore[arg-type]
             if held is not param:
                 self.mains[fqn] = held.detach()

@@ -8,6 +8,7 @@ these helpers rather than torch's private names.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from hyper_parallel.core.errors import HyperParallelValueError
 
 __all__ = [
+    "OPTIMIZER_HOOKS",
     "PrefixStore",
     "Store",
     "TCPStore",
@@ -26,6 +28,8 @@ __all__ = [
     "device_has_foreach_support",
     "fsdp_param_groups",
     "fused_kernel_devices",
+    "init_optimizer_hooks",
+    "optimizer_hook_dict",
     "strided_shard_type",
 ]
 
@@ -86,3 +90,34 @@ def cpu_has_native_bf16() -> bool:
         return False
     capability = probe()
     return bool(capability.get("avx512_bf16") or capability.get("amx_bf16"))
+
+
+#: The kinds of hook ``torch.optim.Optimizer``'s ``register_<kind>_hook`` methods keep,
+#: each in a private dict of the optimizer.
+OPTIMIZER_HOOKS = (
+    "step_pre",
+    "step_post",
+    "state_dict_pre",
+    "state_dict_post",
+    "load_state_dict_pre",
+    "load_state_dict_post",
+)
+
+
+def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """What ``Optimizer.__init__`` sets up for hooks, for an optimizer that does not call it.
+
+    The empty hook dicts the ``register_*_hook`` methods fill, and the patched
+    ``step`` that runs the step hooks.
+    """
+    for kind in OPTIMIZER_HOOKS:
+        setattr(optimizer, f"_optimizer_{kind}_hooks", OrderedDict())
+    optimizer._patch_step_function()
+
+
+def optimizer_hook_dict(optimizer: torch.optim.Optimizer, kind: str) -> dict[Any, Any]:
+    """The live dict of hooks registered on ``optimizer`` with ``register_<kind>_hook``."""
+    if kind not in OPTIMIZER_HOOKS:
+        raise HyperParallelValueError(f"no optimizer hook kind {kind!r}; one of {OPTIMIZER_HOOKS}")
+    hooks: dict[Any, Any] = getattr(optimizer, f"_optimizer_{kind}_hooks")
+    return hooks

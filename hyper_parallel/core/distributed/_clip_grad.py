@@ -52,6 +52,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim import Optimizer
 
+from hyper_parallel.core._grads import grad_tensors
+
 # torch's own rule for where foreach kernels exist (the one its clip_grad_norm_ uses).
 from hyper_parallel.core.compat import device_has_foreach_support
 from hyper_parallel.core.errors import (
@@ -59,7 +61,6 @@ from hyper_parallel.core.errors import (
     HyperParallelTypeError,
     HyperParallelValueError,
 )
-from hyper_parallel.core.optimizer._main_params import grad_tensors
 
 __all__ = ["ParamSource", "clip_grad_norm_"]
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import os
 import types
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Literal, TypeVar
 
@@ -30,6 +29,7 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from hyper_parallel.core.compat import fsdp_param_groups
 from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh
+from hyper_parallel.core.distributed._presharding import remember_params_before_sharding
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 
 __all__ = ["BlockPredicate", "GradientScaling", "fully_shard", "set_gradient_scaling_factor"]
@@ -39,8 +39,6 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 #: ``(qualified_name, module) -> bool``: whether a submodule is its own FSDP unit.
 BlockPredicate = Callable[[str, nn.Module], bool]
 
-#: On a module sharded by :func:`fully_shard`: id(param before sharding) -> (weakref, name).
-PRESHARDING_PARAMS_ATTR = "_hyper_parallel_presharding_params"
 _SCALING_ATTR = "_hyper_parallel_gradient_scaling"
 
 
@@ -313,7 +311,7 @@ def fully_shard(
     offload = offload_policy or OffloadPolicy()
     # FSDP2 replaces every param with a sharded one; remember which old param became which
     # name, so param lists built before sharding (as the user guide does) still resolve.
-    before = {id(p): (weakref.ref(p), name) for name, p in module.named_parameters()}
+    remember_params_before_sharding(module)
     for block in reversed(units):
         _torch_fully_shard(
             block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
@@ -324,7 +322,6 @@ def fully_shard(
         module, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=mp, offload_policy=offload
     )
 
-    setattr(module, PRESHARDING_PARAMS_ATTR, before)
     scaling = GradientScaling()
     setattr(module, _SCALING_ATTR, scaling)
     bound = types.MethodType(set_gradient_scaling_factor, module)

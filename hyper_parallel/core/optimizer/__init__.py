@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hyper_parallel.core._grads import grad_tensors
 from hyper_parallel.core.optimizer._chained import ChainedOptimizer
 from hyper_parallel.core.optimizer._factory import get_hyper_optimizer
-from hyper_parallel.core.optimizer._main_params import MainParams, grad_tensors
+from hyper_parallel.core.optimizer._main_params import MainParams
 from hyper_parallel.core.optimizer._matrix import (
     MatrixOptimizer,
     MomentumRule,

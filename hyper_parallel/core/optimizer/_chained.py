@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import inspect
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from torch.optim import Optimizer
 
+from hyper_parallel.core.compat import OPTIMIZER_HOOKS, init_optimizer_hooks, optimizer_hook_dict
 from hyper_parallel.core.errors import (
     HyperParallelKeyError,
     HyperParallelTypeError,
@@ -27,14 +27,6 @@ __all__ = ["MAIN_PARAMS_KEY", "ChainedOptimizer"]
 MAIN_PARAMS_KEY = "main_params"
 
 # torch.optim.Optimizer's hook registries, by attribute name.
-_HOOK_DICTS = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
 
 
 class _ChainedState(Mapping[torch.Tensor, Any]):
@@ -140,9 +132,7 @@ class ChainedOptimizer(Optimizer):
         for param_name, param in param_names or ():
             self._names.setdefault(id(param), param_name)
         self.defaults: dict[str, Any] = _ChainedDefaults(named)
-        for hooks in _HOOK_DICTS:
-            setattr(self, hooks, OrderedDict[int, Callable[..., Any]]())
-        self._patch_step_function()
+        init_optimizer_hooks(self)
 
     # -- the Optimizer surface ----------------------------------------------
 
@@ -159,7 +149,7 @@ class ChainedOptimizer(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         # Unlike torch's Optimizer, a copy (deepcopy, pickle) keeps the hooks: a hook
         # that counts steps or logs lrs would otherwise stop silently in the copy.
-        hooks = {name: getattr(self, name) for name in _HOOK_DICTS}
+        hooks = {kind: optimizer_hook_dict(self, kind) for kind in OPTIMIZER_HOOKS}
         held = {id(param): param for param in map(self._model_param, self._params())}
         names = [(held[key], name) for key, name in self._names.items() if key in held]
         return {
@@ -171,8 +161,10 @@ class ChainedOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["optimizers"], main_params=state.get("main_params"))  # type: ignore[misc]
-        for name, hooks in state.get("hooks", {}).items():
-            getattr(self, name).update(hooks)
+        for kind, hooks in state.get("hooks", {}).items():
+            optimizer_hook_dict(
+                self, kind.removeprefix("_optimizer_").removesuffix("_hooks")
+            ).update(hooks)
         for param, param_name in state.get("names", ()):
             self._names[id(param)] = param_name
 
@@ -333,12 +325,12 @@ class ChainedOptimizer(Optimizer):
         With main copies, ``state_dict()["main_params"]`` is the list of them,
         in the order they were made.
         """
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+        for pre_hook in optimizer_hook_dict(self, "state_dict_pre").values():
             pre_hook(self)
         state: dict[str, Any] = {name: opt.state_dict() for name, opt in self.optimizers.items()}
         if self.main_params is not None:
             state[MAIN_PARAMS_KEY] = [main.detach() for _, main in self.main_params]
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
+        for post_hook in optimizer_hook_dict(self, "state_dict_post").values():
             result = post_hook(self, state)
             if result is not None:
                 state = result
@@ -355,7 +347,7 @@ class ChainedOptimizer(Optimizer):
         dropped, with a warning.
         """
         sd: Mapping[str, Any] = state_dict
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+        for pre_hook in optimizer_hook_dict(self, "load_state_dict_pre").values():
             result = pre_hook(self, sd)  # type: ignore[arg-type]
             if result is not None:
                 sd = result
@@ -385,7 +377,7 @@ class ChainedOptimizer(Optimizer):
             warn_main_params_rebuilt("The state dict")
         elif saved_mains:
             warn_main_params_dropped("The state dict")
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+        for post_hook in optimizer_hook_dict(self, "load_state_dict_post").values():
             post_hook(self)
 
 

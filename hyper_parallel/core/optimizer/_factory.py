@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -14,6 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
+from hyper_parallel.core.distributed._presharding import follow_sharding
 from hyper_parallel.core.errors import (
     HyperParallelConfigError,
     HyperParallelTypeError,
@@ -387,21 +387,9 @@ class _Plan:
 
     def _follow_sharding(self) -> None:
         """Swap params listed before ``fully_shard`` for the sharded params that replaced them."""
-        # Looked up, not imported: a process that never imported fully_shard has sharded
-        # nothing with it, and importing it would load FSDP for every user.
-        fsdp = sys.modules.get("hyper_parallel.core.distributed._fsdp")
-        replaced = getattr(self.model, fsdp.PRESHARDING_PARAMS_ATTR, None) if fsdp else None
-        if not replaced:
+        now = follow_sharding(self.model)
+        if now is None:
             return
-        current = dict(self.model.named_parameters(remove_duplicate=False))
-
-        def now(p: torch.Tensor) -> torch.Tensor:
-            ref_and_name = replaced.get(id(p))
-            if ref_and_name is None or ref_and_name[0]() is not p:
-                return p
-            sharded: torch.Tensor = current.get(ref_and_name[1], p)
-            return sharded
-
         for spec in self.specs.values():
             for group in spec.groups:
                 group["params"] = [now(p) for p in group["params"]]

@@ -29,13 +29,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim import Optimizer
 
 __all__ = [
     "MAIN_DTYPE",
     "MAIN_GRAD_ATTR",
     "MainParams",
-    "grad_tensors",
     "needs_main_copy",
     "warn_main_params_dropped",
     "warn_main_params_rebuilt",
@@ -79,19 +77,6 @@ def warn_main_params_dropped(source: str) -> None:
 def needs_main_copy(param: torch.Tensor) -> bool:
     """Whether ``param`` is floating point with less precision than fp32 (bf16, fp16, ...)."""
     return param.is_floating_point() and param.element_size() < MAIN_DTYPE.itemsize
-
-
-def grad_tensors(optimizer: Optimizer) -> list[torch.Tensor]:
-    """The tensors that hold ``optimizer``'s gradients between ``backward`` and ``step``.
-
-    Its params; for a :class:`~hyper_parallel.core.optimizer.ChainedOptimizer`
-    with main copies, the model params those stand for
-    (:meth:`~hyper_parallel.core.optimizer.ChainedOptimizer.grad_params`).
-    """
-    own = getattr(optimizer, "grad_params", None)
-    if callable(own):
-        return list(own())
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 class MainParams:

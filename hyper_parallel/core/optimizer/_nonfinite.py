@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from hyper_parallel.core._grads import grad_tensors
 from hyper_parallel.core.distributed._dtensor import local_tensor
-from hyper_parallel.core.optimizer._main_params import grad_tensors
 
 __all__ = ["grads_are_finite", "step_if_finite"]
 

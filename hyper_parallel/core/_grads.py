@@ -1,0 +1,24 @@
+"""Where an optimizer's gradients are: shared by clipping (distributed) and the optimizers.
+
+Below both layers, so that ``core.distributed`` never imports ``core.optimizer``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim import Optimizer
+
+__all__ = ["grad_tensors"]
+
+
+def grad_tensors(optimizer: Optimizer) -> list[torch.Tensor]:
+    """The tensors that hold ``optimizer``'s gradients between ``backward`` and ``step``.
+
+    Its params; for a :class:`~hyper_parallel.core.optimizer.ChainedOptimizer`
+    with main copies, the model params those stand for
+    (:meth:`~hyper_parallel.core.optimizer.ChainedOptimizer.grad_params`).
+    """
+    own = getattr(optimizer, "grad_params", None)
+    if callable(own):
+        return list(own())
+    return [p for group in optimizer.param_groups for p in group["params"]]
