@@ -11,7 +11,7 @@ transport of the owner exchange, it predicts per rank:
 * Newton-Schulz FLOPs (the busiest rank, after owner assignment by FLOPs,
   and with one owner per matrix over all ranks, replicas included);
 * optimizer state bytes (the momentum and the moments of its shards);
-* the step time: the exchange (:mod:`hyper_parallel.core.distributed.cost`)
+* the step time: the exchange (:mod:`hyper_parallel_builtins.fsdp_backend.cost`)
   plus Newton-Schulz at the profile's matmul rate plus the element-wise work
   at its memory rate, without overlap (an upper bound).
 
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from hyper_parallel.core.distributed.cost import (
+from hyper_parallel_builtins.fsdp_backend.cost import (
     TRANSPORTS,
     DeviceProfile,
     LinkCost,

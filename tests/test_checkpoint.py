@@ -14,7 +14,7 @@ from distributed import run_distributed
 
 from conftest import TinyLM, lm_loss
 from hyper_parallel import checkpoint
-from hyper_parallel.checkpoint import CheckpointError, CheckpointManager, _saving
+from hyper_parallel.checkpoint import CheckpointError, CheckpointManager, _load, _saving
 from hyper_parallel.core.optimizer import get_hyper_lr_scheduler, get_hyper_optimizer
 
 
@@ -287,8 +287,8 @@ def _ranks_agree_on_checkpoints(rank: int, world_size: int, root: str) -> None:
         _train(model, opt, sched, _batch(), 1)
         manager.save(step, model=model, optimizer=opt, scheduler=sched)
     if rank == 1:
-        stale = checkpoint._candidates
-        checkpoint._candidates = lambda r: list(reversed(stale(r)))  # type: ignore[assignment]
+        stale = _load.candidates
+        _load.candidates = lambda r: list(reversed(stale(r)))  # type: ignore[assignment]
     fresh = _build()
     assert manager.load_latest(model=fresh[0], optimizer=fresh[1], scheduler=fresh[2]) == 2
     assert not list(shared.glob(".shared-check-*"))

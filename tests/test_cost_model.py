@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hyper_parallel.core.distributed.cost import (
+from hyper_parallel_builtins.fsdp_backend.cost import (
     PROFILE_ENV,
     DeviceProfile,
     LinkCost,

@@ -31,17 +31,18 @@ def exchange_options(
     are made at the first step, so train inside the block too.
     """
     import hyper_parallel_builtins.fsdp_backend as fsdp_backend
+    from hyper_parallel_builtins.fsdp_backend import _plan
 
-    floor = fsdp_backend.MIN_BUCKET_BYTES
+    floor = _plan.MIN_BUCKET_BYTES
     names = (fsdp_backend.OVERLAP_ENV, fsdp_backend.TRANSPORT_ENV, fsdp_backend.TEAM_SIZE_ENV)
     before = {name: os.environ.get(name) for name in names}
-    fsdp_backend.MIN_BUCKET_BYTES = 1
+    _plan.MIN_BUCKET_BYTES = 1
     values = ("1" if overlap else "0", transport, team_size)
     os.environ.update(zip(names, values, strict=True))
     try:
         yield
     finally:
-        fsdp_backend.MIN_BUCKET_BYTES = floor
+        _plan.MIN_BUCKET_BYTES = floor
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)

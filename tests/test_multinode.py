@@ -147,7 +147,9 @@ def test_a_rank_killed_on_the_second_node_restarts_both_and_ends_bitwise_equal(
         "--out", str(tmp_path / "run"), "--checkpoint-dir", str(tmp_path / "run" / "ckpt"),
         "--resume", restarts=1,
     )  # fmt: skip
-    assert "exitcode: 17" in output  # the first attempt really lost a rank
+    # the first attempt really lost a rank (the launcher may see a survivor stop first)
+    assert any(line in output for line in ("exitcode: 17", "another process of this job stopped"))
+    assert "resuming from step 8 (" in output
     assert [step for step, _ in _val_losses(tmp_path / "run")] == [0, 4, 8, 12]  # no row twice
     final = "ckpt/muon_adamw/step_00000012"
     want = _checkpoint_values(two_nodes / final)

@@ -683,13 +683,14 @@ def test_large_matrices_iterate_one_by_one_with_the_same_result(
     monkeypatch: pytest.MonkeyPatch, block_rows: int, spec: str, steps: int
 ) -> None:
     """The per-matrix path, its symmetric block products and odd/even step counts agree."""
-    import hyper_parallel_builtins.newton_schulz as ns
+    from hyper_parallel_builtins.newton_schulz import _iterate as ns
+    from hyper_parallel_builtins.newton_schulz import resolve_coefficients
 
     gen = torch.Generator().manual_seed(3)
     # a tall stack (transposed to 7 x 9) and a wide one, float64 so the paths compare exactly
     matrices = [torch.randn(3, 9, 7, generator=gen, dtype=torch.float64),
                 torch.randn(7, 9, generator=gen, dtype=torch.float64)]  # fmt: skip
-    coefficients = ns.resolve_coefficients(spec, steps)
+    coefficients = resolve_coefficients(spec, steps)
     batched = [ns.newton_schulz_batched([m], coefficients)[0] for m in matrices]
     monkeypatch.setattr(ns, "PER_MATRIX_FROM", 6)
     monkeypatch.setattr(ns, "SYMMETRIC_BLOCK_ROWS", block_rows)  # 7 rows: ragged last block
@@ -721,7 +722,8 @@ def test_large_matrices_iterate_one_by_one_with_the_same_result(
 def test_bf16_iterates_batched_where_the_cpu_multiplies_bf16_natively(
     monkeypatch: pytest.MonkeyPatch, native_bf16: bool
 ) -> None:
-    import hyper_parallel_builtins.newton_schulz as ns
+    from hyper_parallel_builtins.newton_schulz import _iterate as ns
+    from hyper_parallel_builtins.newton_schulz import resolve_coefficients
 
     monkeypatch.setattr(ns, "PER_MATRIX_FROM", 6)
     monkeypatch.setattr(ns, "cpu_has_native_bf16", lambda: native_bf16)
@@ -729,7 +731,7 @@ def test_bf16_iterates_batched_where_the_cpu_multiplies_bf16_natively(
     iterate_one = ns._iterate_one
     monkeypatch.setattr(ns, "_iterate_one", lambda *a: calls.append(1) or iterate_one(*a))
     stack = [torch.randn(2, 8, 12)]
-    coefficients = ns.resolve_coefficients("keller", 5)
+    coefficients = resolve_coefficients("keller", 5)
     ns.newton_schulz_batched(stack, coefficients, dtype=torch.bfloat16)
     assert len(calls) == (0 if native_bf16 else 2)  # one batched GEMM per product, or one by one
     calls.clear()
@@ -740,7 +742,7 @@ def test_bf16_iterates_batched_where_the_cpu_multiplies_bf16_natively(
 def test_symmetric_product_equals_the_full_product_and_mirrors_the_upper_blocks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import hyper_parallel_builtins.newton_schulz as ns
+    from hyper_parallel_builtins.newton_schulz import _iterate as ns
 
     monkeypatch.setattr(ns, "SYMMETRIC_BLOCK_ROWS", 3)
     gen = torch.Generator().manual_seed(4)
@@ -760,9 +762,10 @@ def test_symmetric_product_equals_the_full_product_and_mirrors_the_upper_blocks(
 
 
 def test_newton_schulz_refuses_autograd_and_says_how_to_call_it() -> None:
-    import hyper_parallel_builtins.newton_schulz as ns
+    from hyper_parallel_builtins.newton_schulz import _iterate as ns
+    from hyper_parallel_builtins.newton_schulz import resolve_coefficients
 
-    coefficients = ns.resolve_coefficients("keller", 5)
+    coefficients = resolve_coefficients("keller", 5)
     x = torch.randn(8, 6, requires_grad=True)
     with pytest.raises(RuntimeError, match=r"not differentiable.*torch.no_grad\(\)"):
         ns.newton_schulz(x, coefficients)

@@ -24,7 +24,7 @@ from benchmarks.scale import (
     predictions,
     validate,
 )
-from hyper_parallel.core.distributed.cost import DeviceProfile, LinkCost, team_seconds
+from hyper_parallel_builtins.fsdp_backend.cost import DeviceProfile, LinkCost, team_seconds
 from hyper_parallel_builtins.muon import MuonTeam
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -108,13 +108,13 @@ PUBLIC_MODULES = [
     "hyper_parallel.checkpoint",
     "hyper_parallel.core.compat",
     "hyper_parallel.core.distributed",
-    "hyper_parallel.core.distributed.cost",
     "hyper_parallel.core.distributed.toolkit",
     "hyper_parallel.core.errors",
     "hyper_parallel.core.optimizer",
     "hyper_parallel.core.options",
     "hyper_parallel.core.plugin",
     "hyper_parallel.testing",
+    "hyper_parallel_builtins.fsdp_backend.cost",
 ]
 
 
@@ -280,3 +280,34 @@ def test_torch_private_attributes_are_used_in_the_compat_module_only() -> None:
     assert not found, "use torch's private API through hyper_parallel.core.compat: " + ", ".join(
         found
     )
+
+
+#: What a package's ``__init__.py`` may define beyond re-exports: lazy lookups.
+_INIT_HOOKS = {"__getattr__", "__dir__"}
+
+
+def test_package_init_files_only_re_export() -> None:
+    holding = []
+    for path in _shipped_sources():
+        if path.name != "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in tree.body:
+            defines = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            if defines and node.name not in _INIT_HOOKS:
+                holding.append(f"{path.relative_to(path.parents[2])}:{node.lineno} {node.name}")
+    assert not holding, "implementation belongs in a module, not __init__.py: " + ", ".join(holding)
+
+
+#: A module longer than this says why at its top, in a docstring line "Long because ...".
+_MAX_LINES = 600
+
+
+def test_long_modules_say_why() -> None:
+    unexplained = []
+    for path in _shipped_sources():
+        text = path.read_text(encoding="utf-8")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if text.count("\n") > _MAX_LINES and "Long because" not in doc:
+            unexplained.append(f"{path.name} ({text.count(chr(10))} lines)")
+    assert not unexplained, f"split these, or say why they are long: {unexplained}"

@@ -52,7 +52,6 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "Layout",
     "Reducer",
-    "all_to_all",
     "assign_owners",
     "blocks_in_place",
     "check_not_partial",
@@ -373,32 +372,6 @@ def exchange_group(mesh: DeviceMesh) -> ProcessGroup:
         f"{dist.get_world_size()} has no process group joining its ranks; lay the params "
         "out on a mesh that spans the world, or on a 1-D sub-mesh."
     )
-
-
-def all_to_all(
-    parts: Sequence[Sequence[torch.Tensor]],
-    recv_sizes: Sequence[int],
-    dtype: torch.dtype,
-    device: torch.device,
-    group: ProcessGroup | None = None,
-) -> list[torch.Tensor]:
-    """One ``all_to_all_single``: ``parts[r]`` (flattened) go to rank ``r`` of ``group``.
-
-    Returns what each rank sent here, one flat tensor per rank, of
-    ``recv_sizes[r]`` elements.
-    """
-    send_sizes = [sum(p.numel() for p in ps) for ps in parts]
-    flat = [p.reshape(-1).to(dtype) for ps in parts for p in ps]
-    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-    recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-    dist.all_to_all_single(
-        recv,
-        send,
-        output_split_sizes=list(recv_sizes),
-        input_split_sizes=send_sizes,
-        group=group,
-    )
-    return list(recv.split(list(recv_sizes)))
 
 
 # -- reductions ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.core._grads import grad_tensors
 from hyper_parallel.core.optimizer._chained import ChainedOptimizer
+from hyper_parallel.core.optimizer._container import LRSchedulersContainer
 from hyper_parallel.core.optimizer._factory import get_hyper_optimizer
 from hyper_parallel.core.optimizer._main_params import MainParams
 from hyper_parallel.core.optimizer._matrix import (
@@ -21,11 +22,7 @@ from hyper_parallel.core.optimizer._matrix import (
     momentum_updates,
 )
 from hyper_parallel.core.optimizer._nonfinite import grads_are_finite, step_if_finite
-from hyper_parallel.core.optimizer._scheduler import (
-    HyperLRScheduler,
-    LRSchedulersContainer,
-    get_hyper_lr_scheduler,
-)
+from hyper_parallel.core.optimizer._scheduler import HyperLRScheduler, get_hyper_lr_scheduler
 
 __all__ = [
     "AdamW",

@@ -6,8 +6,8 @@ A schedule is a registered function ``fn(step, *, total_steps, warmup_steps,
 :class:`HyperLRScheduler` applies its factor to every param group of any
 :class:`torch.optim.Optimizer`, :class:`ChainedOptimizer` included, each group
 from its own peak lr: ``lr_g(s) = initial_lr_g * factor(s)``.
-:class:`LRSchedulersContainer` is one scheduler per sub-optimizer instead, as
-HyperParallel's container is.
+:class:`~hyper_parallel.core.optimizer.LRSchedulersContainer` (in its own
+module) is one scheduler per sub-optimizer instead, as HyperParallel's is.
 
 :func:`get_hyper_lr_scheduler` takes HyperParallel's keywords with their
 defaults: ``lr`` is the lr that ``lr_min`` and ``lr_start`` are relative to,
@@ -27,9 +27,9 @@ import copy
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -41,8 +41,6 @@ from hyper_parallel.core.plugin import PluginKind, get_registry
 
 __all__ = [
     "HyperLRScheduler",
-    "LRSchedulersContainer",
-    "SchedulerFactory",
     "get_hyper_lr_scheduler",
 ]
 
@@ -188,7 +186,7 @@ def _probe(
             )
 
 
-def _set_lr(group: dict[str, Any], lr: float | Tensor) -> None:
+def set_lr(group: dict[str, Any], lr: float | Tensor) -> None:
     if isinstance(group["lr"], Tensor):
         group["lr"].fill_(lr)
     else:
@@ -343,7 +341,7 @@ class HyperLRScheduler(LRScheduler):
         self._step_count = int(state_dict["step_count"])
         lrs = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            _set_lr(group, lr)
+            set_lr(group, lr)
         self._last_lr = [float(x) for x in lrs]
 
 
@@ -560,96 +558,3 @@ def get_hyper_lr_scheduler(
     return HyperLRScheduler(
         optimizer, entry.name, total_steps=total_steps, warmup_steps=warmup_steps, options=options
     )
-
-
-class SchedulerFactory(Protocol):
-    """Makes one sub-optimizer's LR scheduler: ``factory(optimizer=sub_optimizer)``."""
-
-    def __call__(self, optimizer: Optimizer) -> LRScheduler: ...
-
-
-class LRSchedulersContainer:
-    """One LR scheduler per sub-optimizer of a chain, stepped as one (HyperParallel's container).
-
-    :func:`get_hyper_lr_scheduler` on a chain gives every group the lrs this
-    gives; the container is for a scheduler per sub-optimizer, or code
-    written for HyperParallel's.
-
-    Examples:
-        >>> schedulers = LRSchedulersContainer(
-        ...     optimizer,
-        ...     lambda optimizer: get_hyper_lr_scheduler(optimizer, total_steps=1000),
-        ... )
-
-    Args:
-        optimizer: A :class:`~hyper_parallel.core.optimizer.ChainedOptimizer`
-            (anything with ``optimizers_dict``).
-        scheduler: ``scheduler(optimizer=sub_optimizer)`` makes each one's
-            scheduler, e.g. ``lambda optimizer: StepLR(optimizer, 10)``; or a
-            mapping from sub-optimizer name to such a callable.
-
-    Attributes:
-        schedulers: The schedulers, in the chain's order.
-    """
-
-    def __init__(
-        self,
-        optimizer: Any,
-        scheduler: SchedulerFactory | Mapping[str, SchedulerFactory],
-    ) -> None:
-        optimizers = getattr(optimizer, "optimizers_dict", None)
-        if not isinstance(optimizers, Mapping):
-            raise HyperParallelTypeError(
-                f"LRSchedulersContainer needs a ChainedOptimizer, got {type(optimizer).__name__}; "
-                "for a single optimizer use its scheduler directly."
-            )
-        makers = (
-            scheduler if isinstance(scheduler, Mapping) else dict.fromkeys(optimizers, scheduler)
-        )
-        if set(makers) != set(optimizers):
-            raise HyperParallelValueError(
-                f"LRSchedulersContainer got schedulers for {sorted(makers)}; the chain has "
-                f"{sorted(optimizers)}. Give one per sub-optimizer."
-            )
-        self._by_name = {name: makers[name](optimizer=sub) for name, sub in optimizers.items()}
-        self.schedulers = list(self._by_name.values())
-
-    def __getitem__(self, name: str) -> LRScheduler:
-        return self._by_name[name]
-
-    def __iter__(self) -> Iterator[LRScheduler]:
-        return iter(self.schedulers)
-
-    def __len__(self) -> int:
-        return len(self.schedulers)
-
-    def step(self) -> None:
-        """Step every scheduler, in the chain's order."""
-        for scheduler in self.schedulers:
-            scheduler.step()
-
-    def get_last_lr(self) -> list[float]:
-        """Every group's lr, sub-optimizer by sub-optimizer, in the chain's order."""
-        return [float(lr) for scheduler in self.schedulers for lr in scheduler.get_last_lr()]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Each scheduler's state, keyed by its sub-optimizer's name."""
-        return {name: scheduler.state_dict() for name, scheduler in self._by_name.items()}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load each scheduler's state by name; the groups' lrs move to the saved position.
-
-        Raises:
-            ValueError: the names differ from this container's.
-        """
-        if set(state_dict) != set(self._by_name):
-            raise HyperParallelValueError(
-                f"The saved schedulers are {sorted(state_dict)}; this container has "
-                f"{sorted(self._by_name)}. Build it for the same sub-optimizers."
-            )
-        for name, scheduler in self._by_name.items():
-            scheduler.load_state_dict(copy.deepcopy(dict(state_dict[name])))
-            for group, lr in zip(
-                scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True
-            ):
-                _set_lr(group, lr)

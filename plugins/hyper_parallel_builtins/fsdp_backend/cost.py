@@ -45,7 +45,7 @@ from hyper_parallel.core.distributed.toolkit import assign_owners
 from hyper_parallel.core.errors import HyperParallelValueError
 
 if TYPE_CHECKING:
-    from hyper_parallel.core.distributed._backend import TeamTransform
+    from hyper_parallel.core.distributed import TeamTransform
 
 __all__ = [
     "PROFILE_ENV",
@@ -83,7 +83,7 @@ class LinkCost:
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """What a device and its links do per second; :mod:`hyper_parallel.core.distributed.cost`.
+    """What a device and its links do per second; :mod:`hyper_parallel_builtins.fsdp_backend.cost`.
 
     Attributes:
         name: What it describes (``"cpu-gloo"``, ``"h100-nvlink"``, ...).

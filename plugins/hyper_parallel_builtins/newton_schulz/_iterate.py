@@ -1,32 +1,13 @@
-"""Newton-Schulz orthogonalization and its coefficient sets.
-
-An odd matrix polynomial ``X -> a X + b (X X^T) X + c (X X^T)^2 X`` acts on
-each singular value ``s`` of ``X`` as ``s -> a s + b s^3 + c s^5`` and leaves
-the singular vectors alone. Starting from ``G / ||G||_F`` (every singular
-value in ``[0, 1]``) and applying it a few times pushes every singular value
-towards 1, so the result approaches the polar factor ``U V^T`` of
-``G = U S V^T`` without an SVD: matmuls only, which is why Muon uses it.
-
-A *coefficient set* is the sequence of ``(a, b, c)`` used at each iteration.
-:data:`COEFFICIENT_SETS` holds the named ones; :func:`resolve_coefficients`
-turns any accepted spelling into exactly ``ns_steps`` triples.
-
-Each matrix is first divided by its Frobenius norm and an ``eps``, by one of
-two rules: ``max(||X||, eps)`` (``torch.optim.Muon``) or ``||X|| + eps``
-(HyperParallel's ``ns_epsilon``); ``eps_added`` picks the second.
-"""
+"""The iteration itself: batched or per matrix, standard or Gram, with the layouts chosen per product."""
 
 from __future__ import annotations
 
 import itertools
-import math
-import numbers
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from hyper_parallel.core.compat import cpu_has_native_bf16
@@ -34,203 +15,9 @@ from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelV
 from hyper_parallel.core.options import did_you_mean
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
+    pass
 
-__all__ = [
-    "ASYM5_COEFFICIENTS",
-    "COEFFICIENT_SETS",
-    "FIXED_LENGTH_SETS",
-    "GRAM_FIRST_RESTART",
-    "GRAM_MIN_ASPECT",
-    "GRAM_MIN_ASPECT_CPU_LARGE",
-    "GRAM_MIN_ASPECT_DEFAULT",
-    "GRAM_RESTART_EVERY",
-    "KELLER_COEFFICIENTS",
-    "MAX_NS_STEPS",
-    "NS_METHODS",
-    "PER_MATRIX_FROM",
-    "SYMMETRIC_BLOCK_ROWS",
-    "CoefficientSpec",
-    "Coefficients",
-    "custom_coefficients",
-    "is_triple",
-    "newton_schulz",
-    "newton_schulz_batched",
-    "newton_schulz_flops",
-    "newton_schulz_team",
-    "newton_schulz_team_collectives",
-    "resolve_coefficients",
-    "resolve_ns_method",
-]
-
-Coefficients: TypeAlias = tuple[float, float, float]
-"""One iteration's ``(a, b, c)``."""
-
-CoefficientSpec: TypeAlias = str | Sequence[float] | Sequence[Sequence[float]]
-"""A set name, one triple (used every iteration), or one triple per iteration."""
-
-MAX_NS_STEPS = 99
-"""The most iterations accepted (the same bound as ``torch.optim.Muon``)."""
-
-KELLER_COEFFICIENTS: Coefficients = (3.4445, -4.7750, 2.0315)
-"""Keller Jordan's quintic: the steepest slope at zero that still keeps every
-singular value within roughly ``[0.7, 1.2]`` after five steps. The default of
-``torch.optim.Muon``."""
-
-ASYM5_COEFFICIENTS: tuple[Coefficients, ...] = (
-    (4.0848, -6.8946, 2.9270),
-    (3.9505, -6.3029, 2.6377),
-    (3.7418, -5.5913, 2.3037),
-    (2.8769, -3.1427, 1.2046),
-    (2.8366, -3.0525, 1.2012),
-)
-"""A different triple for each of five iterations (the set Dion published): HyperParallel's
-default (``ns_variant="asym5"``). It defines exactly five iterations."""
-
-# Amsel, Persson, Musco & Gower, "The Polar Express" (arXiv 2505.16932): the
-# degree-5 polynomial optimal for each iteration in turn.
-_POLAR_EXPRESS_RAW: tuple[Coefficients, ...] = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-)
-
-
-def _with_safety_factor(
-    triples: tuple[Coefficients, ...], factor: float
-) -> tuple[Coefficients, ...]:
-    # Dividing a, b, c by f, f^3, f^5 turns p(x) into p(x / f), so round-off
-    # that lifts a singular value slightly above 1 stays inside the interval
-    # the polynomial was optimised for. The last step is left exact so the
-    # iteration still ends at 1.
-    scaled = tuple((a / factor, b / factor**3, c / factor**5) for a, b, c in triples[:-1])
-    return (*scaled, triples[-1])
-
-
-COEFFICIENT_SETS: Mapping[str, tuple[Coefficients, ...]] = MappingProxyType(
-    {
-        "asym5": ASYM5_COEFFICIENTS,
-        "keller": (KELLER_COEFFICIENTS,),
-        "legacy": (KELLER_COEFFICIENTS,),  # HyperParallel's name for Keller's triple
-        "polar_express": _with_safety_factor(_POLAR_EXPRESS_RAW, 1.01),
-        # Classic cubic Newton-Schulz: slower, but converges to U V^T itself.
-        "cubic": ((1.5, -0.5, 0.0),),
-    }
-)
-"""Named coefficient sets. A set shorter than ``ns_steps`` repeats its last triple,
-except those in :data:`FIXED_LENGTH_SETS`."""
-
-FIXED_LENGTH_SETS: frozenset[str] = frozenset({"asym5"})
-"""Sets tuned as a whole for their own number of iterations: ``ns_steps`` may not exceed it."""
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _as_triple(value: object, where: str) -> Coefficients:
-    if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 3:
-        raise HyperParallelValueError(
-            f"{where} must contain exactly three values (a, b, c), got {value!r}."
-        )
-    if not all(_is_real(v) for v in value):
-        raise HyperParallelValueError(
-            f"{where} must contain exactly three values (a, b, c) that are floats, got {value!r}."
-        )
-    a, b, c = (float(v) for v in value)
-    if not all(math.isfinite(v) for v in (a, b, c)):
-        raise HyperParallelValueError(f"{where} must contain only finite values, got {value!r}.")
-    return (a, b, c)
-
-
-def is_triple(spec: object) -> bool:
-    """Whether ``spec`` is one ``(a, b, c)`` (three numbers), as ``torch.optim.Muon`` takes it."""
-    return (
-        not isinstance(spec, str)
-        and isinstance(spec, Sequence)
-        and len(spec) == 3
-        and all(_is_real(v) for v in spec)
-    )
-
-
-def _check_ns_steps(ns_steps: object) -> int:
-    if not isinstance(ns_steps, int) or isinstance(ns_steps, bool):
-        raise HyperParallelValueError(f"ns_steps must be an int, got {ns_steps!r}.")
-    if not 1 <= ns_steps <= MAX_NS_STEPS:
-        raise HyperParallelValueError(f"ns_steps must be in 1..{MAX_NS_STEPS}, got {ns_steps}.")
-    return ns_steps
-
-
-def custom_coefficients(spec: object, ns_steps: int) -> tuple[Coefficients, ...]:
-    """One triple per iteration, given by the caller: the first ``ns_steps`` of ``spec``.
-
-    HyperParallel's ``ns_variant="custom"``: ``spec`` is a non-empty
-    sequence of at least ``ns_steps`` triples of finite floats.
-
-    Raises:
-        ValueError: an empty or short sequence, or a malformed or non-finite
-            triple (named by its index).
-    """
-    _check_ns_steps(ns_steps)
-    if isinstance(spec, str) or not isinstance(spec, Sequence) or not spec:
-        raise HyperParallelValueError(
-            "ns_coefficients must be provided as a non-empty sequence of (a, b, c) triples, one "
-            f"per iteration, got {spec!r}."
-        )
-    if ns_steps > len(spec):
-        raise HyperParallelValueError(
-            f"ns_steps={ns_steps} exceeds the {len(spec)} provided coefficient groups; give one "
-            f"(a, b, c) per iteration, or lower ns_steps to {len(spec)}."
-        )
-    triples = tuple(_as_triple(t, f"ns_coefficients[{i}]") for i, t in enumerate(spec))
-    return triples[:ns_steps]
-
-
-def resolve_coefficients(spec: CoefficientSpec, ns_steps: int) -> tuple[Coefficients, ...]:
-    """Return the ``(a, b, c)`` for each of ``ns_steps`` iterations.
-
-    Args:
-        spec: A name in :data:`COEFFICIENT_SETS` (case-insensitive, ``-`` read
-            as ``_``), whose last triple repeats when it is shorter than
-            ``ns_steps`` (a set in :data:`FIXED_LENGTH_SETS` does not: more
-            steps than it has are an error); one triple, used at every
-            iteration (``torch.optim.Muon``'s form); or a sequence of at
-            least ``ns_steps`` triples, of which the first ``ns_steps`` are
-            used (:func:`custom_coefficients`).
-        ns_steps: Number of iterations, ``1 <= ns_steps <= 99``.
-
-    Raises:
-        ValueError: an unknown set name (the message lists the sets), a
-            malformed, non-finite or short sequence, or ``ns_steps`` out of
-            range.
-    """
-    _check_ns_steps(ns_steps)
-    if is_triple(spec):
-        return (_as_triple(spec, "ns_coefficients"),) * ns_steps
-    if not isinstance(spec, str):
-        return custom_coefficients(spec, ns_steps)
-    key = spec.strip().lower().replace("-", "_")
-    if key not in COEFFICIENT_SETS:
-        raise HyperParallelValueError(
-            f"Unknown Newton-Schulz coefficient set {spec!r}. Available: "
-            f"{', '.join(sorted(COEFFICIENT_SETS))}.{did_you_mean(key, COEFFICIENT_SETS)}"
-        )
-    triples = COEFFICIENT_SETS[key]
-    if key in FIXED_LENGTH_SETS and ns_steps > len(triples):
-        raise HyperParallelValueError(
-            f"The {key!r} coefficients define {len(triples)} iterations, but ns_steps={ns_steps}; "
-            f"lower ns_steps to {len(triples)} or fewer, or choose a set that repeats its last "
-            "triple ('legacy', 'polar_express')."
-        )
-    if len(triples) >= ns_steps:
-        return triples[:ns_steps]
-    return triples + (triples[-1],) * (ns_steps - len(triples))
-
+from hyper_parallel_builtins.newton_schulz._coefficients import Coefficients
 
 #: From this Gram size on, on CPU, each matrix is iterated with 2-D matmuls
 #: rather than one batched matmul, which lets the symmetric products below
@@ -284,7 +71,7 @@ def _symmetric_product(
     return out
 
 
-def _norm_divisor(norms: Tensor, eps: float, eps_added: bool) -> Tensor:
+def norm_divisor(norms: Tensor, eps: float, eps_added: bool) -> Tensor:
     """What each matrix is divided by first: ``norm + eps`` or ``max(norm, eps)``, in place."""
     return norms.add_(eps) if eps_added else norms.clamp_min_(eps)
 
@@ -323,7 +110,7 @@ def _iterate_(
     8 matrices of 256 x 1024.
     """
     # The Gram matrix is rows x rows, so rows <= cols keeps it the small one.
-    x.div_(_norm_divisor(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), eps, eps_added))
+    x.div_(norm_divisor(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), eps, eps_added))
     batch, rows, _ = x.shape
     spare = torch.empty_like(x)
     if _per_matrix(x):
@@ -472,7 +259,7 @@ def _iterate_gram_(
     products. The result is a new stack laid out as ``x`` (or ``x`` itself
     after no steps).
     """
-    x.div_(_norm_divisor(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), eps, eps_added))
+    x.div_(norm_divisor(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), eps, eps_added))
     gram = torch.bmm(x, x.mT)
     poly, q_t, spare = torch.empty_like(gram), torch.empty_like(gram), torch.empty_like(gram)
     identity = True  # Q is the identity (not stored): no step need multiply by it
@@ -637,114 +424,3 @@ def newton_schulz(
     return newton_schulz_batched(
         [matrix], coefficients, eps=eps, eps_added=eps_added, dtype=dtype, method=method
     )[0]
-
-
-def _band(size: int, parts: int, part: int) -> tuple[int, int]:
-    """Part ``part`` of ``parts`` balanced bands of ``range(size)``."""
-    return part * size // parts, (part + 1) * size // parts
-
-
-def newton_schulz_team(
-    slices: Sequence[Tensor],
-    coefficients: Sequence[Coefficients],
-    group: ProcessGroup,
-    *,
-    eps: float = 1e-7,
-    eps_added: bool = False,
-    dtype: torch.dtype | None = None,
-) -> list[Tensor]:
-    """The standard iteration on column slices, shared by the ranks of ``group``.
-
-    Each rank passes its slice ``X_j`` of shape ``(batch, m, n_j)`` of every
-    matrix (``m`` no more than the whole width ``n``), the same matrices in
-    the same order. Per step the ranks all-reduce the Gram matrices
-    ``A = sum_j X_j X_j^T``, each forms its band of rows of
-    ``P = b A + c A A``, one all-gather completes ``P``, and each updates
-    its own slice: ``X_j = a X_j + P X_j``. A rank does ``1/ranks`` of the
-    FLOPs of the whole matrix (:func:`newton_schulz_flops`, standard); the
-    sums run in a different order from one rank's, so the result equals
-    :func:`newton_schulz_batched`'s up to rounding.
-
-    Returns:
-        This rank's slices of the results, in ``dtype`` (default: the first
-        slice's).
-    """
-    if not slices:
-        return []
-    ranks, me = dist.get_world_size(group), dist.get_rank(group)
-    dtype = slices[0].dtype if dtype is None else dtype
-    xs = [s.to(dtype, copy=True) for s in slices]
-    wide = torch.promote_types(dtype, torch.float32)
-    squares = torch.cat([x.to(wide).square().sum((-2, -1)) for x in xs])
-    dist.all_reduce(squares, group=group)
-    norms = _norm_divisor(squares.sqrt_(), eps, eps_added).split([x.shape[0] for x in xs])
-    for x, norm in zip(xs, norms, strict=True):
-        x.div_(norm.to(dtype).view(-1, 1, 1))
-    for a, b, c in coefficients:
-        grams = [torch.bmm(x, x.mT) for x in xs]
-        _all_reduce_each(grams, group)
-        if c == 0.0:
-            polys = [g.mul_(b) for g in grams]
-        else:
-            polys = _team_polynomial(grams, b, c, ranks, me, group)
-        xs = [torch.baddbmm(x, p.mT, x, beta=a) for x, p in zip(xs, polys, strict=True)]
-    return xs
-
-
-def _all_reduce_each(tensors: list[Tensor], group: ProcessGroup) -> None:
-    """Sum each tensor over ``group`` in place, all in one collective."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-        t.copy_(part.view_as(t))
-
-
-def _team_polynomial(
-    grams: list[Tensor], b: float, c: float, ranks: int, me: int, group: ProcessGroup
-) -> list[Tensor]:
-    """``b A + c A A`` of each Gram matrix: this rank's band of rows, then one all-gather."""
-    bands, heights = [], []
-    for gram in grams:
-        rows = gram.shape[-1]
-        start, stop = _band(rows, ranks, me)
-        height = -(-rows // ranks)
-        band = gram.new_zeros(gram.shape[0], height, rows)
-        mine = gram[:, start:stop]
-        band[:, : stop - start] = torch.baddbmm(mine, mine, gram.mT, beta=b, alpha=c)
-        bands.append(band.reshape(-1))
-        heights.append(height)
-    flat = torch.cat(bands)
-    gathered = flat.new_empty(ranks * flat.numel())
-    dist.all_gather_single(gathered, flat, group=group)
-    per_rank = gathered.view(ranks, -1)
-    polys, offset = [], 0
-    for gram, height in zip(grams, heights, strict=True):
-        batch, rows = gram.shape[0], gram.shape[-1]
-        size = batch * height * rows
-        padded = per_rank[:, offset : offset + size].view(ranks, batch, height, rows)
-        heights_of = [stop - start for start, stop in (_band(rows, ranks, r) for r in range(ranks))]
-        polys.append(torch.cat([padded[r, :, :h] for r, h in enumerate(heights_of)], dim=1))
-        offset += size
-    return polys
-
-
-def newton_schulz_team_collectives(
-    batch: int,
-    short: int,
-    coefficients: Sequence[Coefficients],
-    ranks: int,
-    dtype: torch.dtype = torch.float32,
-) -> list[tuple[str, int]]:
-    """The collectives one rank makes in :func:`newton_schulz_team` for one matrix.
-
-    ``(kind, elements)``, in elements of the iteration's ``dtype``: the
-    norm's all-reduce (summed in at least float32), then per step the Gram
-    all-reduce and (unless the step is cubic) the polynomial's all-gather.
-    """
-    wide = torch.promote_types(dtype, torch.float32)
-    made = [("all_reduce", batch * wide.itemsize // dtype.itemsize)]
-    for _, _, c in coefficients:
-        made.append(("all_reduce", batch * short * short))
-        if c != 0.0:
-            made.append(("all_gather", ranks * batch * -(-short // ranks) * short))
-    return made

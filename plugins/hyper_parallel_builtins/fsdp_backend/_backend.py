@@ -1,0 +1,277 @@
+"""The ``fsdp`` and ``hsdp`` backends: options, plans per param list, and the hook that registers them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyper_parallel import hookimpl
+from hyper_parallel.core.distributed import (
+    BlocksFn,
+    Need,
+    PrepareFn,
+    ShardingBackend,
+    TeamTransform,
+)
+from hyper_parallel.core.distributed.toolkit import (
+    Layout,
+    check_not_partial,
+    exchange_group,
+    is_dtensor,
+)
+from hyper_parallel.core.errors import HyperParallelValueError
+from hyper_parallel.core.options import env_switch
+from hyper_parallel.core.plugin import RegisterFn
+from hyper_parallel_builtins.fsdp_backend._exchange import Exchange, Prepared, map_in_place
+from hyper_parallel_builtins.fsdp_backend._plan import (
+    TEAM_SIZE_ENV,
+    ExchangePlan,
+    PlanOptions,
+    make_plan,
+    team_size_option,
+)
+from hyper_parallel_builtins.fsdp_backend.cost import (
+    TRANSPORTS,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+
+#: Environment variable read when a backend is made without ``overlap``: ``1`` (the
+#: default when unset) overlaps the owner exchange with the transform, ``0`` does not.
+OVERLAP_ENV = "HYPER_PARALLEL_EXCHANGE_OVERLAP"
+
+#: Environment variable read when a backend is made without ``transport``: ``auto`` (the
+#: default when unset), ``all_to_all`` or ``all_gather``.
+TRANSPORT_ENV = "HYPER_PARALLEL_TRANSPORT"
+
+
+def _overlap_from_env() -> bool:
+    return env_switch(
+        OVERLAP_ENV,
+        default=True,
+        meaning="overlap the owner exchange with the transform, the default",
+    )
+
+
+def _supported(p: torch.Tensor) -> bool:
+    if not is_dtensor(p):
+        return True
+    if any(pl.is_partial() for pl in p.placements):  # type: ignore[attr-defined]
+        return False
+    mesh = p.device_mesh  # type: ignore[attr-defined]
+    return bool(mesh.ndim == 1 or mesh.size() == dist.get_world_size())
+
+
+class FSDPBackend(ShardingBackend):
+    """DTensor params of any ``Shard``/strided/``Replicate`` layout: in place where blocks are whole, else owners.
+
+    Args:
+        overlap: Overlap the owner exchange with the transform (asynchronous
+            collectives, bucket by bucket). ``None`` (how the registry makes
+            it): ``$HYPER_PARALLEL_EXCHANGE_OVERLAP`` as it is now, ``1``
+            (the default when unset) or ``0``. The results are bitwise the
+            same either way.
+        transport: How each bucket travels: ``"all_to_all"``,
+            ``"all_gather"``, or ``"auto"`` (the faster for that bucket by
+            :mod:`hyper_parallel_builtins.fsdp_backend.cost` and this device's
+            profile). ``None``: ``$HYPER_PARALLEL_TRANSPORT``, else
+            ``"auto"``. The results are bitwise the same whichever travels.
+        team_size: Ranks that share each exchanged matrix's transform
+            (a :class:`~hyper_parallel.core.distributed.TeamTransform`):
+            ``1`` for one owner each, a divisor of the exchange's ranks, or
+            ``"auto"`` (what :func:`~hyper_parallel_builtins.fsdp_backend.cost.choose_team_size`
+            predicts fastest with this device's profile; ``1`` without one).
+            ``None``: ``$HYPER_PARALLEL_TEAM_SIZE``, else ``"auto"``. A team's
+            results equal one owner's up to rounding.
+
+    Raises:
+        ValueError: ``overlap`` is not a bool, ``transport`` or
+            ``team_size`` (or their variables) is none of those, or the
+            overlap variable is set to something other than ``1``/``0``
+            (``true``/``false``, ``on``/``off``).
+    """
+
+    name: ClassVar[str] = "fsdp"
+
+    def __init__(
+        self,
+        overlap: bool | None = None,
+        transport: str | None = None,
+        team_size: int | str | None = None,
+    ) -> None:
+        if overlap is None:
+            overlap = _overlap_from_env()
+        elif not isinstance(overlap, bool):
+            raise HyperParallelValueError(f"overlap should be True or False, got {overlap!r}.")
+        origin = "transport"
+        if transport is None:
+            transport, origin = os.environ.get(TRANSPORT_ENV) or "auto", TRANSPORT_ENV
+        if transport not in ("auto", *TRANSPORTS):
+            raise HyperParallelValueError(
+                f"{origin}={transport!r} is not a transport; choose auto, {', '.join(TRANSPORTS)}."
+            )
+        self.overlap, self.transport = overlap, transport
+        self.team_size = team_size_option(team_size)
+        self._team_size_origin = "team_size" if team_size is not None else TEAM_SIZE_ENV
+        self._plans: dict[tuple[Any, ...], ExchangePlan] = {}
+        self._teams: dict[tuple[int, int], ProcessGroup] = {}  # (size, first rank): its group
+        self.replica_group_size: int | None = None
+        self._replica_groups: dict[tuple[DeviceMesh, int], ProcessGroup] = {}
+
+    def group_replicas(self, size: int) -> None:
+        """Share the work among groups of ``size`` replicas only (on a 2-D ``(replicate, shard)`` mesh).
+
+        Each group of ``size`` consecutive replicas computes every matrix once
+        and shares the results among its own ranks; other groups do the
+        same, so no collective leaves a group (keep a group within a node).
+        ``size`` must divide the replicate dim; at least its size is one group.
+        """
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise HyperParallelValueError(f"hsdp_replica_count must be positive, got {size!r}.")
+        self.replica_group_size = size
+        self._plans.clear()
+
+    def accepts(self, params: Sequence[torch.Tensor]) -> bool:
+        return any(is_dtensor(p) for p in params) and all(_supported(p) for p in params)
+
+    def shard_model(self, module: nn.Module, **options: Any) -> nn.Module:
+        from hyper_parallel.core.distributed import fully_shard
+
+        return fully_shard(module, **options)
+
+    def map_blocks(
+        self,
+        fn: BlocksFn,
+        tensors: Sequence[torch.Tensor],
+        needs: Sequence[Need],
+        *,
+        cost: Callable[[torch.Size], float] | None = None,
+    ) -> list[torch.Tensor]:
+        return self.map_prepared_blocks(
+            fn, lambda positions: [tensors[i] for i in positions], tensors, needs, cost=cost
+        )
+
+    def map_prepared_blocks(
+        self,
+        fn: BlocksFn,
+        prepare: PrepareFn,
+        layouts: Sequence[torch.Tensor],
+        needs: Sequence[Need],
+        *,
+        cost: Callable[[torch.Size], float] | None = None,
+        team: TeamTransform | None = None,
+    ) -> list[torch.Tensor]:
+        """Make the tensors that travel, start the exchange, then make and transform the rest."""
+        by_mesh: dict[DeviceMesh | None, list[int]] = {}
+        for i, t in enumerate(layouts):
+            check_not_partial(t)
+            by_mesh.setdefault(t.device_mesh if is_dtensor(t) else None, []).append(i)  # type: ignore[attr-defined]
+        in_place = {i: Layout.whole(layouts[i].shape) for i in by_mesh.pop(None, [])}
+        plans = [(idx, self._plan(layouts, needs, idx, cost, team)) for idx in by_mesh.values()]
+        for indices, plan in plans:
+            in_place.update((indices[k], plan.mine[k]) for k in plan.in_place)
+        tensors = Prepared(prepare, layouts)
+        tensors.make([i for i in range(len(layouts)) if i not in in_place])
+        out: list[torch.Tensor | None] = [None] * len(layouts)
+        exchange = Exchange(fn, team, layouts, tensors.local, needs, out)
+        steps = [(plan, indices, bucket) for indices, plan in plans for bucket in plan.buckets]
+
+        def held_blocks() -> None:
+            tensors.make(list(in_place))
+            map_in_place(fn, tensors.made, needs, in_place, out)
+
+        if self.overlap:
+            exchange.overlapped(steps, held_blocks)
+        else:
+            held_blocks()
+            exchange.in_turn(steps)
+        return [r for r in out if r is not None]
+
+    def _plan(
+        self,
+        tensors: Sequence[torch.Tensor],
+        needs: Sequence[Need],
+        indices: list[int],
+        cost: Callable[[torch.Size], float] | None,
+        team: TeamTransform | None,
+    ) -> ExchangePlan:
+        dts = [cast("DTensor", tensors[i]) for i in indices]
+        layout = [(t.shape, t.dtype, t.placements, t.device_mesh, needs[i])
+                  for t, i in zip(dts, indices, strict=True)]  # fmt: skip
+        key = (*layout, team.dtype if team else None)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make_plan(
+                self._exchange_group(dts),
+                [tensors[i] for i in indices],
+                [needs[i] for i in indices],
+                cost,
+                PlanOptions(self.transport, self.team_size, team, self._team_size_origin),
+                self._teams,
+            )
+        return plan
+
+    def _exchange_group(self, tensors: Sequence[DTensor]) -> ProcessGroup:
+        """The ranks that share these params' work: the mesh's, or this rank's group of replicas."""
+        mesh = tensors[0].device_mesh
+        size = self.replica_group_size
+        if size is None or mesh.ndim != 2 or size >= mesh.size(0):
+            return exchange_group(mesh)
+        replicas = mesh.size(0)
+        if replicas % size:
+            raise HyperParallelValueError(
+                f"hsdp_replica_count {size} must evenly divide the replicate dim of the mesh "
+                f"({replicas} replicas); choose a divisor of {replicas}."
+            )
+        for t in tensors:
+            if not t.placements[0].is_replicate():
+                raise HyperParallelValueError(
+                    f"hsdp_replica_count={size} groups the replicas of an HSDP (replicate, shard) "
+                    f"mesh, but a param of shape {tuple(t.shape)} has placements {t.placements}; "
+                    "leave hsdp_replica_count unset for this layout."
+                )
+        if (mesh, size) not in self._replica_groups:
+            blocks = [mesh.mesh[r : r + size].flatten().tolist() for r in range(0, replicas, size)]
+            mine, _ = dist.new_subgroups_by_enumeration(blocks)
+            self._replica_groups[mesh, size] = mine
+        return self._replica_groups[mesh, size]
+
+
+class HSDPBackend(FSDPBackend):
+    """The ``fsdp`` backend on a 2-D ``(replicate, shard)`` mesh."""
+
+    name: ClassVar[str] = "hsdp"
+
+    def accepts(self, params: Sequence[torch.Tensor]) -> bool:
+        meshes = [cast("DTensor", p).device_mesh for p in params if is_dtensor(p)]
+        return super().accepts(params) and all(mesh.ndim == 2 for mesh in meshes)
+
+    def shard_model(self, module: nn.Module, **options: Any) -> nn.Module:
+        """HSDP on ``mesh``; without one, on ``(nodes, processes per node)`` (``hsdp_mesh``)."""
+        mesh = options.setdefault("mesh", "hsdp")
+        if mesh != "hsdp" and mesh.ndim != 2:
+            raise HyperParallelValueError(
+                f"The 'hsdp' backend shards over a 2-D (replicate, shard) mesh; got a "
+                f"{mesh.ndim}-D mesh. Use 'fsdp' for a 1-D mesh."
+            )
+        return super().shard_model(module, **options)
+
+
+@hookimpl
+def hyper_parallel_register_sharding_backends(register: RegisterFn) -> None:
+    """Register ``fsdp`` and ``hsdp``."""
+    register(
+        "fsdp",
+        FSDPBackend,
+        description="DTensor params of any layout (FSDP2, HSDP, TP, FSDP+TP): owner exchange",
+    )
+    register("hsdp", HSDPBackend, description="the fsdp backend on a 2-D (replicate, shard) mesh")

@@ -1,0 +1,221 @@
+"""Running a plan: the in-place blocks, and the owner exchange bucket by bucket, overlapped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.core.distributed import (
+    BlocksFn,
+    Need,
+    PrepareFn,
+    TeamTransform,
+)
+from hyper_parallel.core.distributed.toolkit import (
+    Layout,
+    local_tensor,
+    map_held_blocks,
+    shard_like,
+)
+from hyper_parallel_builtins.fsdp_backend._plan import Bucket, ExchangePlan, Leg
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+# -- running it ----------------------------------------------------------------------
+
+
+class Prepared:
+    """The tensors of one ``map_prepared_blocks`` call, made in parts."""
+
+    def __init__(self, prepare: PrepareFn, layouts: Sequence[torch.Tensor]) -> None:
+        self.prepare = prepare
+        self.made: list[torch.Tensor] = list(layouts)  # placeholders until made
+        self.local: list[torch.Tensor] = [torch.empty(0)] * len(layouts)
+
+    def make(self, positions: list[int]) -> None:
+        if not positions:
+            return
+        for i, t in zip(positions, self.prepare(positions), strict=True):
+            self.made[i], self.local[i] = t, local_tensor(t)
+
+
+def map_in_place(
+    fn: BlocksFn,
+    tensors: Sequence[torch.Tensor],
+    needs: Sequence[Need],
+    layouts: dict[int, Layout],
+    out: list[torch.Tensor | None],
+) -> None:
+    """One ``fn`` call on the whole blocks this rank already holds (``layouts``: index -> its layout)."""
+    indices = list(layouts)
+    results = map_held_blocks(
+        fn,
+        [local_tensor(tensors[i]) for i in indices],
+        [layouts[i] for i in indices],
+        [needs[i] for i in indices],
+    )
+    for i, result in zip(indices, results, strict=True):
+        out[i] = shard_like(result, tensors[i])
+
+
+class InFlight:
+    """One trip of a bucket, started asynchronously; :meth:`wait` gives what arrived from each rank.
+
+    ``parts`` are this rank's, by destination. ``all_to_all`` sends each rank
+    its part; ``all_gather`` gives every rank every rank's parts (padded to
+    the longest), and this rank keeps what was meant for it.
+    """
+
+    def __init__(
+        self,
+        parts: Sequence[Sequence[torch.Tensor]],
+        leg: Leg,
+        transport: str,
+        like: torch.Tensor,
+        group: ProcessGroup,
+    ) -> None:
+        flat = [p.reshape(-1) for ps in parts for p in ps]
+        send = torch.cat(flat) if flat else like.new_empty(0)
+        self._sizes = leg.gets
+        if transport == "all_gather":
+            self._starts = [q * leg.width + start for q, start in enumerate(leg.starts)]
+            self._recv = like.new_empty(leg.width * len(leg.gets))
+            send = torch.cat([send, send.new_zeros(leg.width - send.numel())])
+            self._work = dist.all_gather_single(self._recv, send, group=group, async_op=True)
+        else:
+            self._starts = [sum(leg.gets[:q]) for q in range(len(leg.gets))]
+            self._recv = like.new_empty(sum(leg.gets))
+            self._work = dist.all_to_all_single(
+                self._recv, send, output_split_sizes=list(leg.gets),
+                input_split_sizes=list(leg.sends), group=group, async_op=True,
+            )  # fmt: skip
+        self._send = send  # alive until the collective is done
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until the trip is done; what each rank sent here, one flat tensor per rank."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            del self._send
+        return [self._recv[a : a + n] for a, n in zip(self._starts, self._sizes, strict=True)]
+
+
+_Step = tuple[ExchangePlan, list[int], Bucket]  # a plan, its tensors' positions, one of its buckets
+
+
+class Exchange:
+    """The owner exchange of one ``map_blocks`` call, bucket by bucket; results land in ``out``."""
+
+    def __init__(
+        self,
+        fn: BlocksFn,
+        team: TeamTransform | None,
+        tensors: Sequence[torch.Tensor],
+        local: list[torch.Tensor],
+        needs: Sequence[Need],
+        out: list[torch.Tensor | None],
+    ) -> None:
+        self.fn, self.team, self.tensors, self.local = fn, team, tensors, local
+        self.needs, self.out = needs, out
+
+    def in_turn(self, steps: list[_Step]) -> None:
+        """Each bucket's trip to its members, transform and trip back, one after the other."""
+        for step in steps:
+            results = self._transform(step, self._send(step).wait())
+            self._land(step, results, self._return(step, results).wait())
+
+    def overlapped(self, steps: list[_Step], meanwhile: Callable[[], None]) -> None:
+        """:meth:`in_turn` with the next bucket travelling while the current one computes.
+
+        ``meanwhile`` (the in-place work) runs while the first bucket travels.
+        At most three buckets are in flight: the next one arriving, the
+        current one computing, the previous one's results returning.
+        """
+        incoming = self._send(steps[0]) if steps else None
+        meanwhile()
+        returning: tuple[_Step, dict[int, torch.Tensor], InFlight] | None = None
+        for k, step in enumerate(steps):
+            assert incoming is not None
+            received = incoming.wait()
+            incoming = self._send(steps[k + 1]) if k + 1 < len(steps) else None
+            results = self._transform(step, received)
+            sent_back = self._return(step, results)
+            if returning is not None:
+                self._land(returning[0], returning[1], returning[2].wait())
+            returning = (step, results, sent_back)
+        if returning is not None:
+            self._land(returning[0], returning[1], returning[2].wait())
+
+    def _send(self, step: _Step) -> InFlight:
+        """Start sending this rank's pieces of the bucket to their members."""
+        plan, positions, bucket = step
+        parts = [[where.take(self.local[positions[i]]) for i, where in to] for to in bucket.send]
+        like = self.local[positions[bucket.like]]
+        return InFlight(parts, bucket.legs[0], bucket.transport, like, plan.group)
+
+    def _transform(self, step: _Step, received: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Assemble the regions this rank computes in the bucket; the transform on all, in one call."""
+        plan, positions, bucket = step
+        regions = []
+        for owned in bucket.owned:
+            mine = self.local[positions[owned.index]]
+            region = mine.new_empty(owned.region.shape)
+            for where, source, sender, offset in owned.parts:
+                if sender < 0:
+                    data = source.take(mine)
+                else:
+                    data = received[sender][offset : offset + where.numel].view(where.shape)
+                where.copy_into(region, data)
+            regions.append(region)
+        if plan.team is not None:
+            assert self.team is not None
+            shapes = [self.tensors[positions[o.index]].shape for o in bucket.owned]
+            results = self.team(regions, shapes, plan.team)
+        else:
+            results = map_held_blocks(
+                self.fn,
+                regions,
+                [Layout.whole(r.shape) for r in regions],
+                [self.needs[positions[o.index]] for o in bucket.owned],
+            )
+        return {o.index: r for o, r in zip(bucket.owned, results, strict=True)}
+
+    def _return(self, step: _Step, results: dict[int, torch.Tensor]) -> InFlight:
+        """Start sending every rank its piece of each result this rank computed."""
+        plan, positions, bucket = step
+        parts = [[where.take(results[i]) for i, where in to] for to in bucket.back]
+        like = self.local[positions[bucket.like]]
+        return InFlight(parts, bucket.legs[1], bucket.transport, like, plan.group)
+
+    def _land(
+        self, step: _Step, results: dict[int, torch.Tensor], returned: list[torch.Tensor]
+    ) -> None:
+        """Each param's result for this rank, from its own results or from what came back."""
+        plan, positions, bucket = step
+        landed: dict[int, list[tuple[Layout, torch.Tensor]]] = {}
+        for landing in bucket.land:
+            into = landing.into
+            if landing.out_of is not None:
+                data = landing.out_of.take(results[landing.index])
+            else:
+                start = landing.offset
+                data = returned[landing.member][start : start + into.numel].view(into.shape)
+            landed.setdefault(landing.index, []).append((into, data))
+        like = self.local[positions[bucket.like]]
+        for index in bucket.empty:
+            landed[index] = [(plan.mine[index], like.new_empty(plan.mine[index].shape))]
+        for index, parts in landed.items():
+            mine = plan.mine[index]
+            if len(parts) == 1 and parts[0][0] == Layout.whole(mine.shape):
+                part = parts[0][1]
+            else:
+                part = parts[0][1].new_empty(mine.shape)
+                for into, data in parts:
+                    into.copy_into(part, data)
+            position = positions[index]
+            self.out[position] = shard_like(part, self.tensors[position])

@@ -1,0 +1,442 @@
+"""The exchange plan: who holds, owns, sends and receives what, in which bucket.
+
+It depends only on the params' shapes and placements: made once, with one
+collective, and reused every step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.core.distributed import (
+    Need,
+    RowBlocks,
+    TeamTransform,
+    WholeMatrices,
+)
+from hyper_parallel.core.distributed.toolkit import (
+    DEFAULT_BUCKET_BYTES,
+    Layout,
+    assign_owners,
+    blocks_in_place,
+    exchange_rounds,
+    gather_layouts,
+)
+from hyper_parallel.core.errors import HyperParallelValueError
+from hyper_parallel_builtins.fsdp_backend.cost import (
+    Trip,
+    choose_team_size,
+    choose_transport,
+    device_profile,
+    exchange_trips,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+#: Environment variable read when a backend is made without ``team_size``: ``auto`` (the
+#: default when unset) or a whole number of ranks that share each matrix.
+TEAM_SIZE_ENV = "HYPER_PARALLEL_TEAM_SIZE"
+
+#: Buckets the owner exchange is cut into, each giving every owner about this share of
+#: its work: the first bucket's trip to its owners and the last one's trip back are what
+#: overlap cannot hide. A bucket holds at least ``MIN_BUCKET_BYTES`` (each exchange has
+#: a fixed cost, about 0.5 ms with gloo) and at most a quarter of ``DEFAULT_BUCKET_BYTES``
+#: per owner (up to three buckets are in flight at once).
+OVERLAP_BUCKETS = 4
+
+#: Fewest bytes of whole tensors per owner in a bucket (a smaller total is one bucket).
+MIN_BUCKET_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of a work's region that one distinct holder layout covers, and who sends it."""
+
+    part: Layout  # global indices, in the holder's order
+    holder: Layout  # the holder's layout
+    sender: int
+
+
+@dataclass(frozen=True)
+class Work:
+    """One rank's share of one param's transform: all of it (its owner) or a slice (a team member)."""
+
+    index: int  # into the mesh's tensors
+    member: int  # rank in the exchange group that computes it
+    region: Layout  # the indices it computes
+    pieces: tuple[Piece, ...]
+    parts: tuple[Layout, ...]  # by rank: what of the region that rank holds, and gets back
+
+
+#: Where a piece goes in the region; where it is in this rank's shard (sent by this
+#: rank) or its global indices (received); its sender, -1 for this rank; its offset
+#: in what that sender sends.
+_Source = tuple[Layout, Layout, int, int]
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """How this rank builds the region of one param it computes, from its shard and what arrives."""
+
+    index: int
+    region: Layout
+    parts: tuple[_Source, ...]
+
+
+@dataclass(frozen=True)
+class Landing:
+    """Where one part of a result lands in this rank's shard, and where it comes from."""
+
+    index: int
+    member: int  # who computed it
+    offset: int  # into what that member returns here
+    into: Layout  # where in this rank's shard
+    out_of: Layout | None  # where in this rank's own result (member is this rank)
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One trip of a bucket as this rank sees it."""
+
+    sends: tuple[int, ...]  # elements this rank sends each rank
+    gets: tuple[int, ...]  # elements each rank sends this rank
+    starts: tuple[int, ...]  # all_gather: where each rank's part for this one starts in its data
+    width: int  # all_gather: every rank's contribution, padded to the longest
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """What this rank sends, receives, transforms and gets back for one bucket of params."""
+
+    send: tuple[tuple[tuple[int, Layout], ...], ...]  # by rank: (index, where in my shard)
+    owned: tuple[Assembly, ...]  # the regions this rank computes in the bucket
+    back: tuple[tuple[tuple[int, Layout], ...], ...]  # by rank: (index, where in my result)
+    land: tuple[Landing, ...]
+    legs: tuple[Leg, Leg]  # to the members, and back
+    transport: str  # how both trips travel (hyper_parallel_builtins.fsdp_backend.cost)
+    like: int  # the index of a param in the bucket (dtype and device of the buffers)
+    empty: tuple[int, ...]  # the params of the bucket this rank holds nothing of
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """What every rank of one mesh does with that mesh's params."""
+
+    group: ProcessGroup
+    rank: int
+    mine: tuple[Layout, ...]  # this rank's layout of each tensor
+    in_place: tuple[int, ...]
+    buckets: tuple[Bucket, ...]
+    team: ProcessGroup | None  # this rank's team, where matrices are shared by teams
+
+
+# -- the plan ------------------------------------------------------------------------
+
+
+def _block_shapes(shape: torch.Size, need: Need) -> list[torch.Size]:
+    if not isinstance(need, RowBlocks):
+        return [shape]
+    dim = need.batch_dims
+    return [torch.Size((*shape[:dim], h, *shape[dim + 1 :])) for h in need.heights]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How a plan is made: the transport, the team size, and the team transform."""
+
+    transport: str
+    team_size: int | str
+    team: TeamTransform | None
+    team_size_origin: str = "team_size"  # or the environment variable it came from
+
+
+def team_size_option(value: int | str | None) -> int | str:
+    """``team_size`` (or ``$HYPER_PARALLEL_TEAM_SIZE``) as ``"auto"`` or a positive int."""
+    origin = "team_size"
+    if value is None:
+        value, origin = os.environ.get(TEAM_SIZE_ENV) or "auto", TEAM_SIZE_ENV
+    if value == "auto":
+        return value
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or isinstance(value, (bool, float)):
+        raise HyperParallelValueError(
+            f"{origin}={value!r} is not a team size; use 'auto' or a whole number >= 1 "
+            "(1: one owner per matrix)."
+        )
+    return size
+
+
+def make_plan(
+    group: ProcessGroup,
+    tensors: list[torch.Tensor],
+    needs: list[Need],
+    cost: Callable[[torch.Size], float] | None,
+    options: PlanOptions,
+    teams: dict[tuple[int, int], ProcessGroup],
+) -> ExchangePlan:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    layouts = gather_layouts(tensors, group)
+    in_place = tuple(
+        i for i, t in enumerate(tensors) if blocks_in_place(needs[i], t.shape, layouts[i])
+    )
+    moving = [i for i in range(len(tensors)) if i not in in_place]
+    measure = cost or (lambda shape: float(math.prod(shape)))
+    costs = [sum(measure(s) for s in _block_shapes(tensors[i].shape, needs[i])) for i in moving]
+    size = _team_size([tensors[i] for i in moving], [needs[i] for i in moving], costs, group,
+                      options)  # fmt: skip
+    team = options.team
+    if size > 1:
+        assert team is not None
+        costs = [team.cost(tensors[i].shape, size) for i in moving]
+    owners = assign_owners(costs, world // size)
+    works = [
+        _works(i, tensors[i].shape, owner, size, layouts[i], team)
+        for i, owner in zip(moving, owners, strict=True)
+    ]
+    nbytes = [tensors[i].numel() * tensors[i].element_size() // size for i in moving]
+    dtypes = [tensors[i].dtype for i in moving]
+    rounds = exchange_rounds(
+        nbytes, dtypes, owners, world // size, bucket_bytes(nbytes, owners, world // size)
+    )
+    mine = tuple(layouts[i][rank] for i in range(len(tensors)))
+    buckets = tuple(
+        _bucket(
+            [w for k in round_ for w in works[k]], tensors, mine, rank, world, options.transport
+        )
+        for round_ in rounds
+    )
+    return ExchangePlan(group, rank, mine, in_place, buckets, _team_group(group, rank, size, teams))
+
+
+def _team_size(
+    tensors: list[torch.Tensor],
+    needs: list[Need],
+    costs: list[float],
+    group: ProcessGroup,
+    options: PlanOptions,
+) -> int:
+    """How many ranks share each matrix: the option, checked, or the cost model's choice.
+
+    The choice is rank 0's, so every rank plans the same even where their
+    environments differ.
+    """
+    team, shapes = options.team, [t.shape for t in tensors]
+    world = dist.get_world_size(group)
+    whole = all(isinstance(n, WholeMatrices) for n in needs)
+    if options.team_size == "auto":
+        size = 1
+        if tensors and whole:
+            profile = device_profile(tensors[0].device.type)
+            size = choose_team_size(shapes, costs, team, world, profile, _node_size(group))
+        agreed = [size]
+        dist.broadcast_object_list(agreed, src=dist.get_global_rank(group, 0), group=group)
+        return int(agreed[0])
+    size = int(options.team_size)
+    if size == 1 or not tensors:
+        return 1
+    problem = None
+    if world % size:
+        problem = f"it does not divide the {world} ranks that exchange these params"
+    elif team is None:
+        problem = "this optimizer's transform has no team form (TeamTransform)"
+    elif not whole:
+        problem = "some params need row blocks, which a team does not split"
+    else:
+        for shape in shapes:
+            dim = team.split_dim(shape)
+            if dim is None or shape[dim] < size:
+                problem = f"a param of shape {tuple(shape)} cannot be split {size} ways"
+                break
+    if problem:
+        raise HyperParallelValueError(
+            f"{options.team_size_origin}={size}: {problem}. Use 'auto' or 1, or a size that fits."
+        )
+    return size
+
+
+def _node_size(group: ProcessGroup) -> int:
+    """The most consecutive ranks of ``group`` that always share a node (``LOCAL_WORLD_SIZE``)."""
+    ranks = dist.get_process_group_ranks(group)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
+
+    def one_node_each(n: int) -> bool:
+        return all(
+            len({r // local for r in ranks[f : f + n]}) == 1 for f in range(0, len(ranks), n)
+        )
+
+    return max(n for n in range(1, len(ranks) + 1) if len(ranks) % n == 0 and one_node_each(n))
+
+
+def _team_group(
+    group: ProcessGroup, rank: int, size: int, teams: dict[tuple[int, int], ProcessGroup]
+) -> ProcessGroup | None:
+    """The process group of this rank's team: ``size`` consecutive ranks of ``group``.
+
+    Over the whole world every rank makes every team's group, in the same
+    order (``new_subgroups``); over a sub-mesh's group only the members
+    meet. A team's collectives get their own group even where it is the
+    whole exchange group, so they never queue behind the exchange's.
+    """
+    if size == 1:
+        return None
+    first = rank // size * size
+    if (size, first) not in teams:
+        if dist.get_world_size(group) == dist.get_world_size():
+            mine, _ = dist.new_subgroups(group_size=size)
+            teams[size, first] = mine
+        else:
+            members = dist.get_process_group_ranks(group)[first : first + size]
+            teams[size, first] = dist.new_group(members, use_local_synchronization=True)
+    return teams[size, first]
+
+
+def bucket_bytes(nbytes: list[int], owners: list[int], world: int) -> int:
+    """Whole-tensor bytes per owner and bucket: the busiest owner's share, within bounds."""
+    per_owner = [0] * world
+    for n, owner in zip(nbytes, owners, strict=True):
+        per_owner[owner] += n
+    share = math.ceil(max(per_owner, default=0) / OVERLAP_BUCKETS)
+    return min(DEFAULT_BUCKET_BYTES // OVERLAP_BUCKETS, max(MIN_BUCKET_BYTES, share))
+
+
+def _works(
+    index: int,
+    shape: torch.Size,
+    owner: int,
+    size: int,
+    layouts: list[Layout],
+    team: TeamTransform | None,
+) -> list[Work]:
+    """The works of one param: all of it for ``owner``, or a slice for each member of team ``owner``.
+
+    Each distinct part of a region is sent by the member if it holds it,
+    else by one of its holders.
+    """
+    whole = Layout.whole(shape)
+    regions = [(owner, whole)]
+    if size > 1:
+        dim = team.split_dim(shape) if team else None
+        assert dim is not None
+        n = shape[dim]
+        regions = [
+            (owner * size + k, whole.region(dim, k * n // size, (k + 1) * n // size))
+            for k in range(size)
+        ]
+    holders: dict[Layout, list[int]] = {}
+    for rank, layout in enumerate(layouts):
+        if layout.numel:
+            holders.setdefault(layout, []).append(rank)
+    works = []
+    for member, region in regions:
+        cut = {layout: layout.intersect(region) for layout in dict.fromkeys(layouts)}
+        pieces = tuple(
+            Piece(cut[lay], lay, member if layouts[member] == lay else ranks[index % len(ranks)])
+            for lay, ranks in holders.items()
+            if cut[lay].numel
+        )
+        works.append(Work(index, member, region, pieces, tuple(cut[lay] for lay in layouts)))
+    return works
+
+
+def _bucket(
+    works: list[Work],
+    tensors: list[torch.Tensor],
+    mine: tuple[Layout, ...],
+    me: int,
+    world: int,
+    transport: str,
+) -> Bucket:
+    """This rank's part of exchanging ``works``: the orders and offsets both trips use.
+
+    Both trips list each rank's data work by work, in the bucket's order.
+    ``transport="auto"`` takes the one the cost model predicts faster for
+    these trips on this device (every rank predicts the same).
+    """
+    send: list[list[tuple[int, Layout]]] = [[] for _ in range(world)]
+    sends, recv_sizes, back_sizes = [0] * world, [0] * world, [0] * world
+    owned: list[Assembly] = []
+    back: list[list[tuple[int, Layout]]] = [[] for _ in range(world)]
+    land: list[Landing] = []
+    for work in works:
+        if work.member == me:
+            owned.append(_assembly(work, me, recv_sizes))
+            for rank, part in enumerate(work.parts):
+                if rank != me and part.numel:
+                    back[rank].append((work.index, work.region.locate(part)))
+        for piece in work.pieces:
+            if piece.sender == me and work.member != me:
+                send[work.member].append((work.index, piece.holder.locate(piece.part)))
+                sends[work.member] += piece.part.numel
+        part = work.parts[me]
+        if not part.numel:
+            continue
+        into = mine[work.index].locate(part)
+        if work.member == me:
+            land.append(Landing(work.index, me, 0, into, work.region.locate(part)))
+        else:
+            land.append(Landing(work.index, work.member, back_sizes[work.member], into, None))
+            back_sizes[work.member] += part.numel
+    returns = [sum(where.numel for _, where in to) for to in back]
+    legs, trips = _legs(works, me, world, (sends, recv_sizes), (returns, back_sizes))
+    like = tensors[works[0].index]
+    if transport == "auto":
+        transport = choose_transport(trips, like.element_size(), device_profile(like.device.type))
+    return Bucket(
+        tuple(map(tuple, send)), tuple(owned), tuple(map(tuple, back)), tuple(land), legs,
+        transport, works[0].index,
+        tuple(dict.fromkeys(w.index for w in works if not mine[w.index].numel)),
+    )  # fmt: skip
+
+
+def _assembly(work: Work, me: int, recv_sizes: list[int]) -> Assembly:
+    """Where each piece of ``work``'s region comes from; advances ``recv_sizes`` by what arrives."""
+    parts = []
+    for piece in work.pieces:
+        where = work.region.locate(piece.part)
+        if piece.sender == me:
+            parts.append((where, piece.holder.locate(piece.part), -1, 0))
+        else:
+            parts.append((where, piece.part, piece.sender, recv_sizes[piece.sender]))
+            recv_sizes[piece.sender] += piece.part.numel
+    return Assembly(work.index, work.region, tuple(parts))
+
+
+def _legs(
+    works: list[Work],
+    me: int,
+    world: int,
+    to_members: tuple[list[int], list[int]],
+    back: tuple[list[int], list[int]],
+) -> tuple[tuple[Leg, Leg], tuple[Trip, Trip]]:
+    """Both trips as this rank sees them (``(sends, gets)`` of each), and as the cost model does."""
+    pieces = [[(p.sender, p.part.numel) for p in work.pieces] for work in works]
+    parts = [torch.tensor([lay.numel for lay in work.parts]) for work in works]
+    trips = exchange_trips(
+        [(work.member, ps, pa) for work, ps, pa in zip(works, pieces, parts, strict=True)], world
+    )
+    # all_gather: each rank's data is its parts in rank order; mine starts after the lower ranks'
+    to_start, back_start = [0] * world, [0] * world
+    for work, ps, pa in zip(works, pieces, parts, strict=True):
+        if work.member < me:
+            for sender, numel in ps:
+                if sender != work.member:
+                    to_start[sender] += numel
+        below = int(pa[:me].sum()) - (int(pa[work.member]) if work.member < me else 0)
+        back_start[work.member] += below
+    legs = (
+        Leg(tuple(to_members[0]), tuple(to_members[1]), tuple(to_start), trips[0].width),
+        Leg(tuple(back[0]), tuple(back[1]), tuple(back_start), trips[1].width),
+    )
+    return legs, trips

@@ -1,0 +1,77 @@
+"""Newton-Schulz orthogonalization and its coefficient sets.
+
+An odd matrix polynomial ``X -> a X + b (X X^T) X + c (X X^T)^2 X`` acts on
+each singular value ``s`` of ``X`` as ``s -> a s + b s^3 + c s^5`` and leaves
+the singular vectors alone. Starting from ``G / ||G||_F`` (every singular
+value in ``[0, 1]``) and applying it a few times pushes every singular value
+towards 1, so the result approaches the polar factor ``U V^T`` of
+``G = U S V^T`` without an SVD: matmuls only, which is why Muon uses it.
+
+A *coefficient set* is the sequence of ``(a, b, c)`` used at each iteration.
+:data:`COEFFICIENT_SETS` holds the named ones; :func:`resolve_coefficients`
+turns any accepted spelling into exactly ``ns_steps`` triples.
+
+Each matrix is first divided by its Frobenius norm and an ``eps``, by one of
+two rules: ``max(||X||, eps)`` (``torch.optim.Muon``) or ``||X|| + eps``
+(HyperParallel's ``ns_epsilon``); ``eps_added`` picks the second.
+"""
+
+from __future__ import annotations
+
+from hyper_parallel_builtins.newton_schulz._coefficients import (
+    ASYM5_COEFFICIENTS,
+    COEFFICIENT_SETS,
+    FIXED_LENGTH_SETS,
+    KELLER_COEFFICIENTS,
+    MAX_NS_STEPS,
+    Coefficients,
+    CoefficientSpec,
+    custom_coefficients,
+    is_triple,
+    resolve_coefficients,
+)
+from hyper_parallel_builtins.newton_schulz._iterate import (
+    GRAM_FIRST_RESTART,
+    GRAM_MIN_ASPECT,
+    GRAM_MIN_ASPECT_CPU_LARGE,
+    GRAM_MIN_ASPECT_DEFAULT,
+    GRAM_RESTART_EVERY,
+    NS_METHODS,
+    PER_MATRIX_FROM,
+    SYMMETRIC_BLOCK_ROWS,
+    newton_schulz,
+    newton_schulz_batched,
+    newton_schulz_flops,
+    resolve_ns_method,
+)
+from hyper_parallel_builtins.newton_schulz._team import (
+    newton_schulz_team,
+    newton_schulz_team_collectives,
+)
+
+__all__ = [
+    "ASYM5_COEFFICIENTS",
+    "COEFFICIENT_SETS",
+    "FIXED_LENGTH_SETS",
+    "GRAM_FIRST_RESTART",
+    "GRAM_MIN_ASPECT",
+    "GRAM_MIN_ASPECT_CPU_LARGE",
+    "GRAM_MIN_ASPECT_DEFAULT",
+    "GRAM_RESTART_EVERY",
+    "KELLER_COEFFICIENTS",
+    "MAX_NS_STEPS",
+    "NS_METHODS",
+    "PER_MATRIX_FROM",
+    "SYMMETRIC_BLOCK_ROWS",
+    "CoefficientSpec",
+    "Coefficients",
+    "custom_coefficients",
+    "is_triple",
+    "newton_schulz",
+    "newton_schulz_batched",
+    "newton_schulz_flops",
+    "newton_schulz_team",
+    "newton_schulz_team_collectives",
+    "resolve_coefficients",
+    "resolve_ns_method",
+]
