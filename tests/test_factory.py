@@ -286,3 +286,14 @@ def test_sharding_backend_must_match_the_params(
         get_hyper_optimizer(model)
     optimizer = get_hyper_optimizer(model, sharding="local")
     assert optimizer.optimizers["muon"].param_groups[0]["sharding"] == "local"
+
+
+@pytest.mark.parametrize("name", ["muon", "torch_muon"])
+def test_a_matrix_only_optimizer_gives_its_vectors_to_adamw_however_it_says_so(name: str) -> None:
+    # Muon says it by a class attribute, torch_muon by requires=("matrices_only",): one rule
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    with pytest.warns(UserWarning, match=r"fewer than 2 dims were listed for"):
+        opt = get_hyper_optimizer(model, optimizers={name: {"params": list(model.parameters())}})
+    held = {n: [p for g in o.param_groups for p in g["params"]] for n, o in opt.optimizers.items()}
+    assert [p.ndim for p in held[name]] == [2]
+    assert sorted(p.ndim for p in held["adamw"]) == [1, 1, 1]

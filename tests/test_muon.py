@@ -799,3 +799,16 @@ def test_gram_on_the_distributed_owner_path_equals_one_process() -> None:
     from distributed import run_distributed
 
     run_distributed(_gram_on_fsdp_owners, world_size=2)
+
+
+def test_the_ns_dtype_variable_is_read_when_muon_is_built_never_at_a_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(NS_DTYPE_ENV, "float32")
+    param = nn.Parameter(torch.randn(8, 8))
+    param.grad = torch.randn(8, 8)
+    opt = Muon([param], lr=0.02)
+    monkeypatch.setenv(NS_DTYPE_ENV, "not-a-dtype")  # a step that read it would raise
+    before = param.detach().clone()
+    opt.step()
+    assert opt.env_ns_dtype == torch.float32 and not torch.equal(param.detach(), before)

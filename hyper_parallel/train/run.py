@@ -21,7 +21,7 @@ from hyper_parallel.core.optimizer import (
     get_hyper_optimizer,
     step_if_finite,
 )
-from hyper_parallel.core.plugin import PluginKind, get_registry
+from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, get_registry
 from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import TokenizedText, batches
 from hyper_parallel.train.model import GPTConfig, TinyGPT
@@ -100,7 +100,7 @@ def build_optimizer(config: TrainConfig, name: str, model: torch.nn.Module) -> C
     decayed = {"params": matrices, "weight_decay": config.weight_decay}
     undecayed = {"params": vectors, "weight_decay": 0.0}
     optimizers: dict[str, dict[str, Any]] = {entry.name: {"params": [decayed], "lr": lr}}
-    if vectors and getattr(entry.obj, "matrix_only", False):
+    if vectors and isinstance(entry, OptimizerEntry) and entry.matrix_only:
         # Norms and biases go to AdamW, said here rather than warned about by the factory.
         optimizers["adamw"] = {"params": [undecayed], "lr": config.lr}
     elif vectors:

@@ -40,7 +40,7 @@ from hyper_parallel.core.errors import (
     HyperParallelValueError,
 )
 from hyper_parallel.core.options import did_you_mean
-from hyper_parallel.core.plugin import PluginKind, RegisterFn, get_registry
+from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, RegisterFn, get_registry
 from hyper_parallel_builtins.param_roles import NamedParam, named_params, output_head_ids
 
 __all__ = ["FAMILY_KEYS", "FAMILY_ORDER", "by_family"]
@@ -169,7 +169,7 @@ def _family(name: str, config: Mapping[str, Any]) -> _Family:
         name=name,
         selector=selector,
         groups=_param_groups(name, config.get("param_groups", [])),
-        matrix_only=bool(getattr(entry.obj, "matrix_only", False)),
+        matrix_only=isinstance(entry, OptimizerEntry) and entry.matrix_only,
     )
 
 

@@ -27,7 +27,13 @@ from hyper_parallel.core.options import (
     check_keywords,
     did_you_mean,
 )
-from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry, normalize_name
+from hyper_parallel.core.plugin import (
+    OptimizerEntry,
+    PluginKind,
+    RegistryEntry,
+    get_registry,
+    normalize_name,
+)
 
 __all__ = ["get_hyper_optimizer"]
 
@@ -420,7 +426,7 @@ class _Plan:
     def _move_vectors_off_matrix_optimizers(self) -> None:
         moved: list[tuple[str, torch.Tensor]] = []
         for spec in list(self.specs.values()):
-            if getattr(spec.entry.obj, "matrix_only", False):
+            if isinstance(spec.entry, OptimizerEntry) and spec.entry.matrix_only:
                 for group in spec.groups:
                     moved.extend((spec.name, p) for p in group["params"] if p.ndim < 2)
                     group["params"] = [p for p in group["params"] if p.ndim >= 2]

@@ -144,6 +144,17 @@ class OptimizerEntry(RegistryEntry):
 
     requires: tuple[str, ...] = ()
 
+    @property
+    def matrix_only(self) -> bool:
+        """Whether it takes only params with two or more dims; the one place that is decided.
+
+        Declared by ``requires=("matrices_only",)`` at registration, or by a
+        class attribute ``matrix_only = True`` on the optimizer (as on the
+        built-in Muon and Sinkhorn). :func:`get_hyper_optimizer` gives such an
+        optimizer's vectors to AdamW.
+        """
+        return "matrices_only" in self.requires or bool(getattr(self.obj, "matrix_only", False))
+
     def unusable_in_plain_loop(self) -> str | None:
         """Why a plain training loop cannot step this optimizer, or ``None`` if it can."""
         reasons = [OPTIMIZER_REQUIREMENTS[r] for r in self.requires]

@@ -34,6 +34,7 @@ from hyper_parallel_builtins.muon._options import (
     check_options,
     check_replica_count,
     follows_torch,
+    ns_dtype_from_env,
 )
 from hyper_parallel_builtins.muon._update import BlockTransform, MuonTeam, momentum_step
 from hyper_parallel_builtins.newton_schulz import (
@@ -266,6 +267,8 @@ class Muon(MatrixOptimizer):
         self.reshape_fn, self.ns_transform_fn = reshape_fn, ns_transform_fn
         self.post_update_fn = post_update_fn
         self._head_dims: dict[Tensor, int] = {}
+        # $HYPER_PARALLEL_NS_DTYPE, read when a group that follows it is added; never at a step
+        self.env_ns_dtype: torch.dtype | None = None
         super().__init__(params, defaults, replica_group_size=self.hsdp_replica_count)
         if head_wise:
             check_head_wise_selects(self.param_groups, head_wise_patterns)
@@ -289,6 +292,8 @@ class Muon(MatrixOptimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
+        if group["ns_dtype"] is None:
+            self.env_ns_dtype = ns_dtype_from_env()
         dims = (
             head_wise_dims([group], self.head_dim, self.head_wise_patterns)
             if self.head_wise
@@ -375,6 +380,7 @@ class Muon(MatrixOptimizer):
             zeropower_fn=self.zeropower_fn,
             reshape_fn=self.reshape_fn,
             ns_transform_fn=self.ns_transform_fn,
+            env_dtype=self.env_ns_dtype,
         )
         view, device = group["matrix_view"], layouts[0].device
 

@@ -59,6 +59,7 @@ __all__ = [
     "follows_torch",
     "momentum_pair",
     "normalization_of",
+    "ns_dtype_for",
     "ns_dtype_from_env",
     "update_scale",
 ]
@@ -164,11 +165,18 @@ def default_ns_dtype(param: Tensor) -> torch.dtype:
     Raises:
         ValueError: ``$HYPER_PARALLEL_NS_DTYPE`` names no such dtype.
     """
+    return ns_dtype_for(param, ns_dtype_from_env())
+
+
+def ns_dtype_for(param: Tensor, env_dtype: torch.dtype | None) -> torch.dtype:
+    """:func:`default_ns_dtype` with ``$HYPER_PARALLEL_NS_DTYPE`` already read (``env_dtype``).
+
+    Muon reads the variable once, when it is built, and passes what it read here.
+    """
     if param.dtype == torch.float64:
         return torch.float64
-    chosen = ns_dtype_from_env()
-    if chosen is not None:
-        return chosen
+    if env_dtype is not None:
+        return env_dtype
     if param.device.type != "cpu" or cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32

@@ -32,10 +32,10 @@ from hyper_parallel_builtins.muon._extensions import (
 from hyper_parallel_builtins.muon._matrices import batch_dims, matrix_shape, piece_shape
 from hyper_parallel_builtins.muon._options import (
     coefficients_of,
-    default_ns_dtype,
     follows_torch,
     momentum_pair,
     normalization_of,
+    ns_dtype_for,
     update_scale,
 )
 from hyper_parallel_builtins.newton_schulz import (
@@ -147,8 +147,10 @@ class BlockTransform:
         zeropower_fn: ZeropowerFn | None = None,
         reshape_fn: ReshapeFn | None = None,
         ns_transform_fn: NSTransformFn | None = None,
+        env_dtype: torch.dtype | None = None,
     ) -> None:
         self.group, self.lr, self.names = group, lr, names
+        self.env_dtype = env_dtype  # what $HYPER_PARALLEL_NS_DTYPE named when Muon was built
         self.zeropower_fn = zeropower_fn
         self.reshape_fn, self.ns_transform_fn = reshape_fn, ns_transform_fn
         self.coefficients = coefficients_of(group)
@@ -161,7 +163,7 @@ class BlockTransform:
 
     def dtype(self, block: Tensor) -> torch.dtype:
         """The dtype ``block`` is orthogonalized in."""
-        return cast(torch.dtype, self.group["ns_dtype"]) or default_ns_dtype(block)
+        return cast(torch.dtype, self.group["ns_dtype"]) or ns_dtype_for(block, self.env_dtype)
 
     def __call__(self, blocks: list[Tensor]) -> list[Tensor]:
         if not self.keyed:
