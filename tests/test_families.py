@@ -23,7 +23,7 @@ from hyper_parallel.core.errors import (
     HyperParallelValueError,
 )
 from hyper_parallel.core.optimizer import ChainedOptimizer, Muon, Sinkhorn, get_hyper_optimizer
-from hyper_parallel.core.optimizer._factory import FAMILY_ROUTING_KEYS
+from hyper_parallel.core.optimizer._request import FAMILY_ROUTING_KEYS
 from hyper_parallel.testing import check_partitioner, plugin_registered
 
 TINY = {

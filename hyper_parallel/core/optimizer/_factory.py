@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,40 +15,28 @@ from torch.optim import Optimizer
 from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
 from hyper_parallel.core.distributed._presharding import follow_sharding
 from hyper_parallel.core.errors import (
-    HyperParallelConfigError,
     HyperParallelTypeError,
     HyperParallelValueError,
 )
 from hyper_parallel.core.optimizer._chained import ChainedOptimizer
 from hyper_parallel.core.optimizer._main_params import MainParams
+from hyper_parallel.core.optimizer._request import Request, as_groups, parse_request
 from hyper_parallel.core.options import (
     accepted_keywords,
     check_group_keys,
     check_keywords,
-    did_you_mean,
 )
 from hyper_parallel.core.plugin import (
     OptimizerEntry,
     PluginKind,
     RegistryEntry,
     get_registry,
-    normalize_name,
 )
 
 __all__ = ["get_hyper_optimizer"]
 
 #: Where params with fewer than two dims go when a matrix-only optimizer (Muon) is given them.
 FALLBACK_OPTIMIZER = "adamw"
-
-#: The optimizers of the guide's explicit form (``<name>_params``, ``<name>_kwargs``), in the
-#: order they are chained (HyperParallel's).
-EXPLICIT_FORM: tuple[str, ...] = ("adamw", "muon", "sinkhorn")
-
-#: The partitioner that routes params in family configuration.
-FAMILY_PARTITIONER = "by_family"
-
-#: Keys of a family dict that route params (given to the partitioner); the rest are options.
-FAMILY_ROUTING_KEYS: frozenset[str] = frozenset({"param_patterns", "param_groups"})
 
 _MAX_NAMES_SHOWN = 5
 
@@ -68,71 +56,6 @@ def _shown(names: list[str]) -> str:
     head = ", ".join(names[:_MAX_NAMES_SHOWN])
     more = len(names) - _MAX_NAMES_SHOWN
     return head + (f" and {more} more" if more > 0 else "")
-
-
-def _as_groups(params: Any, where: str) -> list[dict[str, Any]]:
-    """Normalize params / (name, param) pairs / group dicts into group dicts."""
-    if isinstance(params, torch.Tensor):
-        raise HyperParallelTypeError(
-            f"{where} must be a list of params or param-group dicts, got a single Tensor; wrap it in a list."
-        )
-    if isinstance(params, Mapping):
-        raise HyperParallelTypeError(
-            f"{where} must be a list; got a dict. For one group pass [{{'params': ...}}]."
-        )
-    items = list(params)
-    groups: list[dict[str, Any]] = []
-    loose: list[torch.Tensor] = []
-    for item in items:
-        if isinstance(item, Mapping):
-            if "params" not in item:
-                raise HyperParallelValueError(f"A param group in {where} has no 'params' key.")
-            group = dict(item)
-            group["params"] = [_as_tensor(p, where) for p in _iter_params(group["params"])]
-            groups.append(group)
-        else:
-            loose.append(_as_tensor(item, where))
-    if loose:
-        groups.insert(0, {"params": loose})
-    return groups
-
-
-def _iter_params(params: Any) -> Iterable[Any]:
-    return [params] if isinstance(params, torch.Tensor) else list(params)
-
-
-def _as_tensor(item: Any, where: str) -> torch.Tensor:
-    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
-        item = item[1]  # from named_parameters()
-    if not isinstance(item, torch.Tensor):
-        raise HyperParallelTypeError(
-            f"{where} holds a {type(item).__name__}, expected parameters (tensors)."
-        )
-    return item
-
-
-def _split_prefixed(prefixed: Mapping[str, Any], names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """``muon_lr=0.02`` -> ``{"muon": {"lr": 0.02}}``; longest optimizer name wins."""
-    by_length = sorted(set(names), key=len, reverse=True)
-    out: dict[str, dict[str, Any]] = {}
-    for key, value in prefixed.items():
-        for name in by_length:
-            if key.startswith(name + "_") and len(key) > len(name) + 1:
-                out.setdefault(name, {})[key[len(name) + 1 :]] = value
-                break
-        else:
-            known = [
-                *(f.name for f in fields(_Arguments)),
-                "sharding",
-                *by_length,
-                *(f"{n}_<option>" for n in by_length),
-            ]
-            raise HyperParallelTypeError(
-                f"get_hyper_optimizer() got an unexpected keyword argument {key!r}."
-                f"{did_you_mean(key, known)} Keyword arguments prefixed with an optimizer's name "
-                f"(e.g. 'muon_lr') configure that optimizer; optimizers here: {', '.join(by_length)}."
-            )
-    return out
 
 
 def get_hyper_optimizer(
@@ -217,56 +140,20 @@ def get_hyper_optimizer(
         raise HyperParallelTypeError(
             f"get_hyper_optimizer() needs model=<nn.Module>, got {type(model).__name__}."
         )
-    arguments = _Arguments(
-        muon_params, adamw_params, muon_kwargs, adamw_kwargs, sinkhorn_params, sinkhorn_kwargs,
-        optimizers, partitioner, partitioner_kwargs,
+    request = parse_request(
+        {
+            "muon_params": muon_params, "adamw_params": adamw_params, "muon_kwargs": muon_kwargs,
+            "adamw_kwargs": adamw_kwargs, "sinkhorn_params": sinkhorn_params,
+            "sinkhorn_kwargs": sinkhorn_kwargs, "optimizers": optimizers,
+            "partitioner": partitioner, "partitioner_kwargs": partitioner_kwargs,
+        },
+        prefixed_kwargs,
     )  # fmt: skip
-    families = _pop_families(prefixed_kwargs)
-    if families:
-        arguments = arguments.for_families(families)
-    plan = _Plan(model)
-    plan.add_arguments(arguments, prefixed_kwargs)
-    plan.assign_params(arguments)
+    plan = _Plan(model, request)
     plan.settle()
     plan.resolve_sharding(sharding)
     mains = plan.main_copies() if fp32_main_params else None
     return ChainedOptimizer(plan.build(), param_names=model.named_parameters(), main_params=mains)
-
-
-@dataclass(frozen=True)
-class _Arguments:
-    """The arguments of get_hyper_optimizer() that say which params go where (in its order)."""
-
-    muon_params: Iterable[Any] | None = None
-    adamw_params: Iterable[Any] | None = None
-    muon_kwargs: Mapping[str, Any] | None = None
-    adamw_kwargs: Mapping[str, Any] | None = None
-    sinkhorn_params: Iterable[Any] | None = None
-    sinkhorn_kwargs: Mapping[str, Any] | None = None
-    optimizers: Mapping[str, Mapping[str, Any]] | None = None
-    partitioner: str | None = None
-    partitioner_kwargs: Mapping[str, Any] | None = None
-
-    def given(self) -> list[str]:
-        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
-
-    def for_families(self, families: Mapping[str, Mapping[str, Any] | None]) -> _Arguments:
-        """The arguments family configuration stands for; any argument given too is an error."""
-        if self.given():
-            raise HyperParallelConfigError(
-                f"Family configs cannot be mixed with explicit groups/kwargs: "
-                f"get_hyper_optimizer() got family keywords "
-                f"({', '.join(f'{n}=' for n in families)}) and "
-                f"{', '.join(f'{n}=' for n in self.given())}; use one or the other. In family "
-                "configuration a family's dict holds its options, and its param_patterns / "
-                "param_groups say which params it gets."
-            )
-        options, partitioner_kwargs = _family_options(families)
-        return _Arguments(
-            optimizers=options,
-            partitioner=FAMILY_PARTITIONER,
-            partitioner_kwargs=partitioner_kwargs,
-        )
 
 
 class _Plan:
@@ -278,66 +165,23 @@ class _Plan:
     optimizer is built.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, request: Request) -> None:
         self.model = model
-        self.specs: dict[str, _Spec] = {}
         self.names: dict[int, str] = {}
+        self.specs: dict[str, _Spec] = {
+            r.name: _Spec(r.name, r.entry, r.groups or [], dict(r.kwargs), r.groups is not None)
+            for r in request.optimizers
+        }
+        if request.partitioner is not None:
+            self.partition(request.partitioner, request.partitioner_kwargs)
 
     # -- filling ------------------------------------------------------------------
 
-    def add(self, name: str, params: Any, kwargs: Mapping[str, Any] | None, where: str) -> _Spec:
+    def add(self, name: str) -> _Spec:
+        """An optimizer a partitioner fills that the call did not name."""
         entry = get_registry().get(PluginKind.OPTIMIZER, name)
-        if entry.name in self.specs:
-            raise HyperParallelValueError(
-                f"Optimizer {entry.name!r} is configured twice ({where} and an earlier argument); "
-                "configure each optimizer once."
-            )
-        spec = _Spec(name=entry.name, entry=entry, kwargs=dict(kwargs or {}))
-        if params is not None:
-            spec.groups = _as_groups(params, where)
-            spec.params_given = True
-        self.specs[entry.name] = spec
-        return spec
-
-    def add_arguments(self, arguments: _Arguments, prefixed: Mapping[str, Any]) -> None:
-        """The guide's ``<name>_params``/``<name>_kwargs``, ``optimizers=``, then ``<name>_<option>``."""
-        for name in EXPLICIT_FORM:
-            params, kwargs = (
-                getattr(arguments, f"{name}_params"),
-                getattr(arguments, f"{name}_kwargs"),
-            )
-            if params is not None or kwargs is not None:
-                self.add(name, params, kwargs, f"{name}_params")
-        for name, config in (arguments.optimizers or {}).items():
-            if not isinstance(config, Mapping):
-                raise HyperParallelTypeError(
-                    f"optimizers[{name!r}] must be a dict of options, got {type(config).__name__}."
-                )
-            config = dict(config)
-            self.add(name, config.pop("params", None), config, f"optimizers[{name!r}]")
-        for name, extra in _split_prefixed(prefixed, [*self.specs, *EXPLICIT_FORM]).items():
-            spec = self.specs.get(name) or self.add(name, None, None, f"{name}_* keyword arguments")
-            for key, value in extra.items():
-                if key in spec.kwargs:
-                    raise HyperParallelValueError(
-                        f"Option {key!r} of optimizer {name!r} is given twice ({name}_{key} and a dict)."
-                    )
-                spec.kwargs[key] = value
-
-    def assign_params(self, arguments: _Arguments) -> None:
-        """Explicit params, or else the partitioner's (``by_shape`` unless one is named)."""
-        any_given = any(s.params_given for s in self.specs.values())
-        if arguments.partitioner is not None and any_given:
-            raise HyperParallelValueError(
-                "get_hyper_optimizer() got both explicit params and partitioner="
-                f"{arguments.partitioner!r}; use one of them."
-            )
-        if arguments.partitioner_kwargs is not None and arguments.partitioner is None and any_given:
-            raise HyperParallelValueError(
-                "partitioner_kwargs was given without partitioner=...; name the partitioner."
-            )
-        if not any_given:
-            self.partition(arguments.partitioner or "by_shape", arguments.partitioner_kwargs or {})
+        self.specs[entry.name] = _Spec(name=entry.name, entry=entry)
+        return self.specs[entry.name]
 
     def partition(self, name: str, options: Mapping[str, Any]) -> None:
         entry = get_registry().get(PluginKind.PARTITIONER, name)
@@ -352,8 +196,8 @@ class _Plan:
         for opt_name, params in assignment.items():
             output = f"{where} output for {opt_name!r}"
             key = get_registry().get(PluginKind.OPTIMIZER, opt_name).name
-            spec = self.specs.get(key) or self.add(key, [], None, output)
-            spec.groups = _as_groups(params, output)
+            spec = self.specs.get(key) or self.add(key)
+            spec.groups = as_groups(params, output)
             spec.params_given = True
             chained.append(key)
         # Chained in the partitioner's order (by_family: HyperParallel's).
@@ -432,9 +276,7 @@ class _Plan:
                     group["params"] = [p for p in group["params"] if p.ndim >= 2]
         if not moved:
             return
-        fallback = self.specs.get(FALLBACK_OPTIMIZER) or self.add(
-            FALLBACK_OPTIMIZER, [], None, "params moved off a matrix-only optimizer"
-        )
+        fallback = self.specs.get(FALLBACK_OPTIMIZER) or self.add(FALLBACK_OPTIMIZER)
         fallback.groups.append({"params": [p for _, p in moved]})
         warnings.warn(
             f"{len(moved)} param(s) with fewer than 2 dims were listed for "
@@ -553,44 +395,3 @@ def _first_names(model: nn.Module) -> dict[int, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
-
-
-def _pop_families(kwargs: dict[str, Any]) -> dict[str, Mapping[str, Any] | None]:
-    """Take the family keywords (a registered optimizer's name: ``muon={...}``) out of kwargs."""
-    names = {
-        normalize_name(alias): entry.name
-        for entry in get_registry().entries(PluginKind.OPTIMIZER)
-        for alias in (entry.name, *entry.aliases)
-    }
-    families: dict[str, Mapping[str, Any] | None] = {}
-    for key in [k for k in kwargs if normalize_name(k) in names]:
-        config, name = kwargs.pop(key), names[normalize_name(key)]
-        if config is not None and not isinstance(config, Mapping):
-            raise HyperParallelTypeError(
-                f"{key}= must be a dict of {name}'s options and param_patterns ({{}} for its "
-                f"defaults), or None to turn the family off; got {type(config).__name__}."
-            )
-        if name in families:
-            raise HyperParallelValueError(
-                f"Family {name!r} is configured twice; configure it once."
-            )
-        families[name] = config
-    return families
-
-
-def _family_options(
-    families: Mapping[str, Mapping[str, Any] | None],
-) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Family dicts -> each enabled family's optimizer options, and the partitioner's options."""
-    options: dict[str, dict[str, Any]] = {}
-    routing: dict[str, dict[str, Any]] = {}
-    for name, config in families.items():
-        if config is not None and "params" in config:
-            raise HyperParallelTypeError(
-                f"{name}= takes no 'params'; select the family's params with 'param_patterns' "
-                "(regular expressions searched in param names)."
-            )
-        if config is not None:
-            routing[name] = {k: v for k, v in config.items() if k in FAMILY_ROUTING_KEYS}
-            options[name] = {k: v for k, v in config.items() if k not in FAMILY_ROUTING_KEYS}
-    return options, {"families": routing}

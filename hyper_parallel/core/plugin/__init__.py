@@ -1,22 +1,24 @@
 """The plugin contract (hookspecs) and the registry that discovers plugins."""
 
-from hyper_parallel.core.plugin._markers import PROJECT_NAME, hookimpl, hookspec
-from hyper_parallel.core.plugin._registry import (
-    DISABLE_ENV,
-    ENTRY_POINT_GROUP,
+from hyper_parallel.core.plugin._entries import (
     ENTRY_TYPES,
     OPTIMIZER_REQUIREMENTS,
-    STRICT_ENV,
     BackendEntry,
     LoadedPlugin,
     OptimizerEntry,
     PartitionerEntry,
     PluginKind,
-    Registry,
     RegistryEntry,
     ScheduleEntry,
-    get_registry,
     normalize_name,
+)
+from hyper_parallel.core.plugin._markers import PROJECT_NAME, hookimpl, hookspec
+from hyper_parallel.core.plugin._registry import (
+    DISABLE_ENV,
+    ENTRY_POINT_GROUP,
+    STRICT_ENV,
+    Registry,
+    get_registry,
     register_plugin,
     unregister_plugin,
 )

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from hyper_parallel.core.errors import HyperParallelTypeError
 
 if TYPE_CHECKING:
-    from hyper_parallel.core.plugin._registry import PluginKind
+    from hyper_parallel.core.plugin._entries import PluginKind
 
 __all__ = ["check_obj"]
 

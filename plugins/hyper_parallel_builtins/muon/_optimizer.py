@@ -74,6 +74,7 @@ _INSTANCE_ATTRIBUTES = (
     "momentum_update_fn",
     "reshape_fn",
     "ns_transform_fn",
+    "env_ns_dtype",
     "post_update_fn",
     "_head_dims",
 )
