@@ -16,7 +16,7 @@ backend's own module holds only its strategy:
   call over all of them.
 * :func:`assign_owners` and :func:`exchange_rounds`: one owner per matrix,
   balanced by cost, in rounds of bounded size.
-* :func:`all_to_all` and :func:`exchange_group`: the transport.
+* :class:`AsyncExchange` and :func:`exchange_group`: the transport.
 * :class:`Reducer`: row and column sums completed over exactly the ranks that
   hold the rest of each row or column.
 """
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "AsyncExchange",
     "Layout",
     "Reducer",
     "assign_owners",
@@ -372,6 +373,69 @@ def exchange_group(mesh: DeviceMesh) -> ProcessGroup:
         f"{dist.get_world_size()} has no process group joining its ranks; lay the params "
         "out on a mesh that spans the world, or on a 1-D sub-mesh."
     )
+
+
+class AsyncExchange:
+    """One exchange among the ranks of ``group``, started asynchronously: ``parts[r]`` go to rank ``r``.
+
+    Args:
+        parts: This rank's tensors for each rank of ``group``, in rank order;
+            they travel flattened and concatenated.
+        recv_sizes: How many elements each rank sends this one.
+        group: The process group.
+        like: A tensor of the dtype and device the exchange travels in.
+        transport: ``"all_to_all"`` (``all_to_all_single``: each rank gets
+            only its parts) or ``"all_gather"`` (``all_gather_single``: every
+            rank gets every rank's parts, padded to ``gather_width`` elements,
+            and keeps its own: more bytes, fewer messages).
+        gather_width: With ``all_gather``: the most elements any rank sends.
+        gather_offsets: With ``all_gather``: where, in rank ``q``'s data, its
+            part for this rank starts.
+
+    :meth:`wait` blocks until it is done and returns what each rank sent
+    here, one flat tensor per rank.
+    """
+
+    def __init__(
+        self,
+        parts: Sequence[Sequence[torch.Tensor]],
+        recv_sizes: Sequence[int],
+        *,
+        group: ProcessGroup,
+        like: torch.Tensor,
+        transport: str = "all_to_all",
+        gather_width: int = 0,
+        gather_offsets: Sequence[int] = (),
+    ) -> None:
+        flat = [p.reshape(-1) for ps in parts for p in ps]
+        send = torch.cat(flat) if flat else like.new_empty(0)
+        self._sizes = list(recv_sizes)
+        if transport == "all_gather":
+            self._starts = [q * gather_width + start for q, start in enumerate(gather_offsets)]
+            self._recv = like.new_empty(gather_width * len(self._sizes))
+            send = torch.cat([send, send.new_zeros(gather_width - send.numel())])
+            self._work = dist.all_gather_single(self._recv, send, group=group, async_op=True)
+        elif transport == "all_to_all":
+            self._starts = list(itertools.accumulate(self._sizes, initial=0))[:-1]
+            self._recv = like.new_empty(sum(self._sizes))
+            self._work = dist.all_to_all_single(
+                self._recv, send, output_split_sizes=self._sizes,
+                input_split_sizes=[sum(p.numel() for p in ps) for ps in parts], group=group,
+                async_op=True,
+            )  # fmt: skip
+        else:
+            raise HyperParallelValueError(
+                f"transport must be 'all_to_all' or 'all_gather', got {transport!r}."
+            )
+        self._send = send  # alive until the collective is done
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until the exchange is done; what each rank sent here, one flat tensor per rank."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            del self._send
+        return [self._recv[a : a + n] for a, n in zip(self._starts, self._sizes, strict=True)]
 
 
 # -- reductions ----------------------------------------------------------------------

@@ -6,7 +6,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from hyper_parallel.core.distributed import (
     BlocksFn,
@@ -15,6 +14,7 @@ from hyper_parallel.core.distributed import (
     TeamTransform,
 )
 from hyper_parallel.core.distributed.toolkit import (
+    AsyncExchange,
     Layout,
     local_tensor,
     map_held_blocks,
@@ -63,48 +63,6 @@ def map_in_place(
         out[i] = shard_like(result, tensors[i])
 
 
-class InFlight:
-    """One trip of a bucket, started asynchronously; :meth:`wait` gives what arrived from each rank.
-
-    ``parts`` are this rank's, by destination. ``all_to_all`` sends each rank
-    its part; ``all_gather`` gives every rank every rank's parts (padded to
-    the longest), and this rank keeps what was meant for it.
-    """
-
-    def __init__(
-        self,
-        parts: Sequence[Sequence[torch.Tensor]],
-        leg: Leg,
-        transport: str,
-        like: torch.Tensor,
-        group: ProcessGroup,
-    ) -> None:
-        flat = [p.reshape(-1) for ps in parts for p in ps]
-        send = torch.cat(flat) if flat else like.new_empty(0)
-        self._sizes = leg.gets
-        if transport == "all_gather":
-            self._starts = [q * leg.width + start for q, start in enumerate(leg.starts)]
-            self._recv = like.new_empty(leg.width * len(leg.gets))
-            send = torch.cat([send, send.new_zeros(leg.width - send.numel())])
-            self._work = dist.all_gather_single(self._recv, send, group=group, async_op=True)
-        else:
-            self._starts = [sum(leg.gets[:q]) for q in range(len(leg.gets))]
-            self._recv = like.new_empty(sum(leg.gets))
-            self._work = dist.all_to_all_single(
-                self._recv, send, output_split_sizes=list(leg.gets),
-                input_split_sizes=list(leg.sends), group=group, async_op=True,
-            )  # fmt: skip
-        self._send = send  # alive until the collective is done
-
-    def wait(self) -> list[torch.Tensor]:
-        """Block until the trip is done; what each rank sent here, one flat tensor per rank."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            del self._send
-        return [self._recv[a : a + n] for a, n in zip(self._starts, self._sizes, strict=True)]
-
-
 _Step = tuple[ExchangePlan, list[int], Bucket]  # a plan, its tensors' positions, one of its buckets
 
 
@@ -138,7 +96,7 @@ class Exchange:
         """
         incoming = self._send(steps[0]) if steps else None
         meanwhile()
-        returning: tuple[_Step, dict[int, torch.Tensor], InFlight] | None = None
+        returning: tuple[_Step, dict[int, torch.Tensor], AsyncExchange] | None = None
         for k, step in enumerate(steps):
             assert incoming is not None
             received = incoming.wait()
@@ -151,12 +109,12 @@ class Exchange:
         if returning is not None:
             self._land(returning[0], returning[1], returning[2].wait())
 
-    def _send(self, step: _Step) -> InFlight:
+    def _send(self, step: _Step) -> AsyncExchange:
         """Start sending this rank's pieces of the bucket to their members."""
         plan, positions, bucket = step
         parts = [[where.take(self.local[positions[i]]) for i, where in to] for to in bucket.send]
         like = self.local[positions[bucket.like]]
-        return InFlight(parts, bucket.legs[0], bucket.transport, like, plan.group)
+        return _start(parts, bucket.legs[0], bucket.transport, like, plan.group)
 
     def _transform(self, step: _Step, received: list[torch.Tensor]) -> dict[int, torch.Tensor]:
         """Assemble the regions this rank computes in the bucket; the transform on all, in one call."""
@@ -185,12 +143,12 @@ class Exchange:
             )
         return {o.index: r for o, r in zip(bucket.owned, results, strict=True)}
 
-    def _return(self, step: _Step, results: dict[int, torch.Tensor]) -> InFlight:
+    def _return(self, step: _Step, results: dict[int, torch.Tensor]) -> AsyncExchange:
         """Start sending every rank its piece of each result this rank computed."""
         plan, positions, bucket = step
         parts = [[where.take(results[i]) for i, where in to] for to in bucket.back]
         like = self.local[positions[bucket.like]]
-        return InFlight(parts, bucket.legs[1], bucket.transport, like, plan.group)
+        return _start(parts, bucket.legs[1], bucket.transport, like, plan.group)
 
     def _land(
         self, step: _Step, results: dict[int, torch.Tensor], returned: list[torch.Tensor]
@@ -219,3 +177,17 @@ class Exchange:
                     into.copy_into(part, data)
             position = positions[index]
             self.out[position] = shard_like(part, self.tensors[position])
+
+
+def _start(
+    parts: Sequence[Sequence[torch.Tensor]],
+    leg: Leg,
+    transport: str,
+    like: torch.Tensor,
+    group: ProcessGroup,
+) -> AsyncExchange:
+    """One trip of a bucket, as the plan's ``leg`` sizes it."""
+    return AsyncExchange(
+        parts, leg.gets, group=group, like=like, transport=transport,
+        gather_width=leg.width, gather_offsets=leg.starts,
+    )  # fmt: skip
