@@ -132,7 +132,7 @@ def test_a_resume_of_a_finished_run_changes_nothing(
     argv = [*RUN, "--out", str(straight), "--checkpoint-dir", str(straight / "ckpt"), "--resume"]
     capsys.readouterr()
     assert main(["train", *argv]) == 0
-    assert "the run already finished (muon+adamw at step 30" in capsys.readouterr().err
+    assert "the run already finished: muon+adamw at step 30 (" in capsys.readouterr().err
     after = {n: (straight / n).read_bytes() for n in before}
     assert after == before
     assert _summary(straight)["final_train_loss"] is not None

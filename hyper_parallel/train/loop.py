@@ -173,7 +173,7 @@ def _left_as_it_was(config: TrainConfig, resumed: dict[str, Verified | None]) ->
     if int(os.environ.get("RANK", "0")) == 0:
         where = ", ".join(f"{name} at step {v.step} ({v.path})" for name, v in resumed.items() if v)
         print(
-            f"hyper-parallel train: --resume: the run already finished ({where}); {config.out} "
+            f"hyper-parallel train: --resume: the run already finished: {where}; {config.out} "
             "is left as it was. Start without --resume to train again",
             file=sys.stderr,
         )
