@@ -73,23 +73,29 @@ def _validate_options(options: Mapping[str, Any]) -> None:
             f"steps should be an odd int >= 1 (one row normalization, then (steps - 1) / 2 "
             f"column and row sweeps), got {steps!r}; e.g. 11."
         )
-    eps = options["eps"]
-    if not _is_real(eps) or not eps > 0.0:
-        raise HyperParallelValueError(f"eps should be a float > 0, got {eps!r}.")
-    tau = options["tau"]
-    if not _is_real(tau) or not tau >= 0.0:
-        raise HyperParallelValueError(
-            f"tau should be a float >= 0 (rows with norm <= tau * mean row norm stay still), "
-            f"got {tau!r}."
-        )
-    correction = options["correction"]
-    if not _is_real(correction) or not correction > 0.0:
-        raise HyperParallelValueError(f"correction should be a float > 0, got {correction!r}.")
+    _check_bound(options, "eps", zero_allowed=False)
+    _check_bound(
+        options,
+        "tau",
+        zero_allowed=True,
+        meaning=" (rows with norm <= tau * mean row norm stay still)",
+    )
+    _check_bound(options, "correction", zero_allowed=False)
     sharding = options["sharding"]
     if sharding is not None and not isinstance(sharding, str):
         raise HyperParallelValueError(
             f"sharding should be a backend name or None, got {sharding!r}."
         )
+
+
+def _check_bound(
+    options: Mapping[str, Any], name: str, *, zero_allowed: bool, meaning: str = ""
+) -> None:
+    """``options[name]`` is a real number > 0 (or >= 0 where ``zero_allowed``)."""
+    value = options[name]
+    if not _is_real(value) or not (value >= 0.0 if zero_allowed else value > 0.0):
+        bound = ">= 0" if zero_allowed else "> 0"
+        raise HyperParallelValueError(f"{name} should be a float {bound}{meaning}, got {value!r}.")
 
 
 def _validate_param(param: Tensor, group: Mapping[str, Any]) -> None:
