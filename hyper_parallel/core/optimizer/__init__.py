@@ -23,6 +23,11 @@ from hyper_parallel.core.optimizer._matrix import (
 )
 from hyper_parallel.core.optimizer._nonfinite import grads_are_finite, step_if_finite
 from hyper_parallel.core.optimizer._scheduler import HyperLRScheduler, get_hyper_lr_scheduler
+from hyper_parallel.core.optimizer._swap import (
+    SwapOptimizer,
+    SwapOptimizerConfig,
+    is_swap_optimizer,
+)
 
 __all__ = [
     "AdamW",
@@ -34,12 +39,15 @@ __all__ = [
     "MomentumRule",
     "Muon",
     "Sinkhorn",
+    "SwapOptimizer",
+    "SwapOptimizerConfig",
     "apply_momentum",
     "by_device_and_dtype",
     "get_hyper_lr_scheduler",
     "get_hyper_optimizer",
     "grad_tensors",
     "grads_are_finite",
+    "is_swap_optimizer",
     "momentum_updates",
     "step_if_finite",
 ]

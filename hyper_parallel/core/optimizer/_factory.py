@@ -6,7 +6,7 @@ import os
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from hyper_parallel.core.errors import (
 from hyper_parallel.core.optimizer._chained import ChainedOptimizer
 from hyper_parallel.core.optimizer._main_params import MainParams
 from hyper_parallel.core.optimizer._request import Request, as_groups, parse_request
+from hyper_parallel.core.optimizer._swap import SwapOptimizer, SwapOptimizerConfig
 from hyper_parallel.core.options import (
     accepted_keywords,
     check_group_keys,
@@ -58,6 +59,7 @@ def _shown(names: list[str]) -> str:
     return head + (f" and {more} more" if more > 0 else "")
 
 
+@overload
 def get_hyper_optimizer(
     model: nn.Module,
     muon_params: Iterable[Any] | None = None,
@@ -72,8 +74,48 @@ def get_hyper_optimizer(
     partitioner_kwargs: Mapping[str, Any] | None = None,
     sharding: str | None = None,
     fp32_main_params: bool = False,
+    swap_optimizer: Literal[False] | None = None,
     **prefixed_kwargs: Any,
-) -> ChainedOptimizer:
+) -> ChainedOptimizer: ...
+
+
+@overload
+def get_hyper_optimizer(
+    model: nn.Module,
+    muon_params: Iterable[Any] | None = None,
+    adamw_params: Iterable[Any] | None = None,
+    muon_kwargs: Mapping[str, Any] | None = None,
+    adamw_kwargs: Mapping[str, Any] | None = None,
+    *,
+    sinkhorn_params: Iterable[Any] | None = None,
+    sinkhorn_kwargs: Mapping[str, Any] | None = None,
+    optimizers: Mapping[str, Mapping[str, Any]] | None = None,
+    partitioner: str | None = None,
+    partitioner_kwargs: Mapping[str, Any] | None = None,
+    sharding: str | None = None,
+    fp32_main_params: bool = False,
+    swap_optimizer: Literal[True] | Mapping[str, Any] | SwapOptimizerConfig,
+    **prefixed_kwargs: Any,
+) -> SwapOptimizer: ...
+
+
+def get_hyper_optimizer(
+    model: nn.Module,
+    muon_params: Iterable[Any] | None = None,
+    adamw_params: Iterable[Any] | None = None,
+    muon_kwargs: Mapping[str, Any] | None = None,
+    adamw_kwargs: Mapping[str, Any] | None = None,
+    *,
+    sinkhorn_params: Iterable[Any] | None = None,
+    sinkhorn_kwargs: Mapping[str, Any] | None = None,
+    optimizers: Mapping[str, Mapping[str, Any]] | None = None,
+    partitioner: str | None = None,
+    partitioner_kwargs: Mapping[str, Any] | None = None,
+    sharding: str | None = None,
+    fp32_main_params: bool = False,
+    swap_optimizer: bool | Mapping[str, Any] | SwapOptimizerConfig | None = None,
+    **prefixed_kwargs: Any,
+) -> ChainedOptimizer | SwapOptimizer:
     """Build the optimizers for ``model`` and chain them.
 
     Four ways to say which params go where:
@@ -108,6 +150,11 @@ def get_hyper_optimizer(
     ``"hsdp"``, ...); it must match the params' layout and is passed to every
     optimizer that takes a ``sharding`` option (Muon). Left out, it is
     ``$HYPER_PARALLEL_SHARDING`` or detected from the params' placements.
+
+    ``swap_optimizer=True`` (or a dict of :class:`SwapOptimizerConfig`'s
+    options, or a config) wraps the chain in a
+    :class:`~hyper_parallel.core.optimizer.SwapOptimizer`, which keeps the
+    optimizer state in host memory or on disk between steps.
 
     ``fp32_main_params=True`` gives each low-precision (bf16, fp16) param an
     fp32 main copy, which the optimizers step instead (their state is fp32
@@ -153,7 +200,10 @@ def get_hyper_optimizer(
     plan.settle()
     plan.resolve_sharding(sharding)
     mains = plan.main_copies() if fp32_main_params else None
-    return ChainedOptimizer(plan.build(), param_names=model.named_parameters(), main_params=mains)
+    chain = ChainedOptimizer(plan.build(), param_names=model.named_parameters(), main_params=mains)
+    if swap_optimizer is None or swap_optimizer is False:
+        return chain
+    return SwapOptimizer(chain, None if swap_optimizer is True else swap_optimizer)
 
 
 class _Plan:
