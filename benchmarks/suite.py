@@ -39,6 +39,7 @@ import torch
 
 from benchmarks.checkpoint import case_checkpoint
 from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
+from benchmarks.swap import case_swap
 
 __all__ = ["CASES", "Row", "expert_shapes", "main", "plot_label", "transformer_shapes"]
 
@@ -585,6 +586,7 @@ CASES: dict[str, Callable[[Settings], Iterator[Row]]] = {
     "distributed": case_distributed,
     "import": case_import,
     "checkpoint": case_checkpoint,
+    "swap": case_swap,
 }
 
 

@@ -111,7 +111,9 @@ def test_at_most_two_batches_are_resident(tmp_path: Path) -> None:
     assert opt.peak_resident_bytes < total
 
 
-@pytest.mark.parametrize(("save_swapped", "load_swapped"), [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(
+    ("save_swapped", "load_swapped"), [(True, False), (False, True), (True, True)]
+)
 def test_checkpoints_round_trip_with_and_without_swapping(
     save_swapped: bool, load_swapped: bool, tmp_path: Path
 ) -> None:
@@ -189,7 +191,8 @@ def test_hyper_parallels_config_form_and_the_factory_keyword(tmp_path: Path) -> 
     assert SwapOptimizer(_build()[1], {"swap_times": 3, "tier": "disk"}).config.swap_times == 3
     plain = _build(partitioner="by_shape")
     model, opt = _build(
-        partitioner="by_shape", swap_optimizer={"swap_times": 4, "tier": "disk", "disk_path": tmp_path}
+        partitioner="by_shape",
+        swap_optimizer={"swap_times": 4, "tier": "disk", "disk_path": tmp_path},
     )
     assert is_swap_optimizer(opt) and set(opt.optimizers) == {"muon", "adamw"}
     _train(*plain, 3)

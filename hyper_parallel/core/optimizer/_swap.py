@@ -40,6 +40,7 @@ __all__ = ["TIERS", "SwapOptimizer", "SwapOptimizerConfig", "is_swap_optimizer"]
 TIERS = ("host", "disk")
 
 _Key = tuple[int, int, str]  # (sub-optimizer index, id(param), state key)
+_ALIGN = 64  # bytes: where each working copy starts in a staging buffer
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,9 @@ class SwapOptimizerConfig:
         state_keys: Which state entries to swap (``None``: every tensor).
         min_numel: Tensors with fewer elements (step counters) stay put.
         include_master_params: Swap fp32 main copies too: not supported (an error).
-        packed_swap: HyperParallel's staging buffers; accepted, each tensor
-            moves on its own here.
+        packed_swap: Read each batch into one of two staging buffers per
+            device, reused every step (HyperParallel's A/B buffers); ``False``
+            gives each working copy a tensor of its own.
     """
 
     swap_times: int = 16
@@ -141,6 +143,8 @@ class SwapOptimizer(Optimizer):
         ]
         self._tier = _Tier.make(self.config, self._devices())
         self._slots: dict[_Key, _Slot] = {}
+        self._bytes: dict[tuple[int, int], int] = {}  # the state's global bytes, per param
+        self._staging: dict[tuple[torch.device, int], torch.Tensor] = {}  # two buffers a device
         self.peak_resident_bytes = 0
         init_optimizer_hooks(self)
         self._store_all()
@@ -157,7 +161,7 @@ class SwapOptimizer(Optimizer):
 
     def __getattr__(self, name: str) -> Any:
         # the wrapped optimizer's own API (a chain's ``optimizers``, ``main_params``, ...)
-        if name in ("optimizer", "_subs", "_slots", "_tier", "config"):
+        if name in ("optimizer", "_subs", "_slots", "_bytes", "_staging", "_tier", "config"):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
@@ -207,13 +211,13 @@ class SwapOptimizer(Optimizer):
         with ThreadPoolExecutor(max_workers=1) as reader:
             coming: Future[dict[_Key, torch.Tensor]] | None = None
             if batches:
-                coming = reader.submit(self._read, batches[0])
+                coming = reader.submit(self._read, batches[0], 0)
             for index, batch in enumerate(batches):
                 assert coming is not None
                 resident = coming.result()
                 coming = None
                 if index + 1 < len(batches):  # the next batch comes in while this one updates
-                    coming = reader.submit(self._read, batches[index + 1])
+                    coming = reader.submit(self._read, batches[index + 1], (index + 1) % 2)
                 self._note_resident(resident, coming, batches, index)
                 try:
                     self._update(batch, resident, before)
@@ -242,11 +246,7 @@ class SwapOptimizer(Optimizer):
         return [b for b in batches if b]
 
     def _state_bytes(self, index: int, p: torch.Tensor) -> int:
-        return sum(
-            slot.global_bytes
-            for (i, pid, _), slot in self._slots.items()
-            if i == index and pid == id(p)
-        )
+        return self._bytes.get((index, id(p)), 0)
 
     def _update(
         self,
@@ -279,27 +279,61 @@ class SwapOptimizer(Optimizer):
     def _store(self, batch: Sequence[tuple[int, torch.Tensor]]) -> None:
         """Write the batch's state into the tier; the state entries become the tier's copies."""
         for index, p in batch:
+            held = 0
             for key, value in list(self._swapped(index, p)):
                 slot = self._slots.get((index, id(p), key))
                 if slot is None or not slot.fits(value):
                     slot = self._slots[(index, id(p), key)] = self._tier.slot(value)
                 if value is not slot.stored:
                     slot.write(value)
+                    slot.release()
                 self._subs[index].state[p][key] = slot.stored
-                slot.release()
+                held += slot.global_bytes
+            self._bytes[(index, id(p))] = held
 
     def _store_all(self) -> None:
         self._store(list(self._params()))
 
-    def _read(self, batch: Sequence[tuple[int, torch.Tensor]]) -> dict[_Key, torch.Tensor]:
-        """Working copies of the batch's swapped state, on the params' devices."""
+    def _read(
+        self, batch: Sequence[tuple[int, torch.Tensor]], buffer: int
+    ) -> dict[_Key, torch.Tensor]:
+        """Working copies of the batch's swapped state, on the params' devices.
+
+        With ``packed_swap`` (the default) they are views of one of two staging
+        buffers per device, reused every step, so a step allocates nothing
+        for them; otherwise each is a tensor of its own.
+        """
+        found = [
+            ((index, id(p), key), slot, p.device)
+            for index, p in batch
+            for key, value in self._swapped(index, p)
+            if (slot := self._slots.get((index, id(p), key))) is not None and value is slot.stored
+        ]
+        staged = self._staged(found, buffer) if self.config.packed_swap else {}
         out = {}
-        for index, p in batch:
-            for key, value in self._swapped(index, p):
-                slot = self._slots.get((index, id(p), key))
-                if slot is not None and value is slot.stored:
-                    out[(index, id(p), key)] = slot.read(p.device)
+        for key, slot, device in found:
+            out[key] = slot.read(device, into=staged.get(key))
+            slot.release()  # the pages just read are the working copy's now
         return out
+
+    def _staged(
+        self, found: Sequence[tuple[_Key, _Slot, torch.device]], buffer: int
+    ) -> dict[_Key, torch.Tensor]:
+        """Byte ranges of staging buffer ``buffer`` (0 or 1) of each device, one per slot."""
+        offsets: dict[_Key, tuple[torch.device, int]] = {}
+        ends: dict[torch.device, int] = {}
+        for key, slot, device in found:
+            start = -(-ends.get(device, 0) // _ALIGN) * _ALIGN
+            offsets[key] = (device, start)
+            ends[device] = start + slot.local_bytes
+        for device, end in ends.items():
+            held = self._staging.get((device, buffer))
+            if held is None or held.numel() < end:
+                self._staging[(device, buffer)] = torch.empty(end, dtype=torch.uint8, device=device)
+        return {
+            key: self._staging[(device, buffer)][start : start + slot.local_bytes]
+            for (key, slot, _), (device, start) in zip(found, offsets.values(), strict=True)
+        }
 
     def _note_resident(
         self,
@@ -353,8 +387,13 @@ class _Slot:
     def write(self, value: torch.Tensor) -> None:
         self._local.copy_(_local(value))
 
-    def read(self, device: torch.device) -> torch.Tensor:
-        local = self._local.to(device, copy=True)
+    def read(self, device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
+        """A working copy on ``device``: in ``into`` (bytes of a staging buffer) where given."""
+        if into is None:
+            local = self._local.to(device, copy=True)
+        else:
+            local = into.view(self._local.dtype).view(self._local.shape)
+            local.copy_(self._local)
         return _like(self.stored, local)
 
     def release(self) -> None:
