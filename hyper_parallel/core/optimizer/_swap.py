@@ -185,9 +185,11 @@ class SwapOptimizer(Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One step of the wrapped optimizer, batch by batch; every batch goes back to the tier.
 
-        If it raises part-way, every batch's state is back in the tier (the
-        batches before the failing one stepped, those after it not), none
-        stays resident, and the next ``step()`` or ``state_dict()`` works.
+        If it raises part-way, every batch's state is written back to the
+        tier as it stands: the batches before the failing one stepped, the
+        failing one as far as the wrapped optimizer got (as it would be
+        unswapped), those after it untouched. None stays resident, and
+        ``state_dict()`` and the next ``step()`` work from that state.
         """
         loss = None
         if closure is not None:
