@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoint import case_checkpoint
+from benchmarks.ns_paths import case_paths
 from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
 from benchmarks.swap import case_swap
 
@@ -125,7 +126,29 @@ def _stepper(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> Ca
             p.grad = g
         opt.step()
 
+    step.optimizer = opt  # type: ignore[attr-defined]
     return step
+
+
+def _faults_per_step(step: Callable[[], object], steps: int = 2) -> float:
+    """Minor page faults of this process per call of ``step`` (after the calls already made).
+
+    Every fault is a page of memory the step touched for the first time:
+    buffers allocated afresh each step fault again each step.
+    """
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        step()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+
+
+def _workspace_bytes(step: Callable[[], object]) -> int:
+    """The bytes of the Newton-Schulz workspace held by the optimizer ``step`` steps."""
+    opt = getattr(step, "optimizer", None)
+    workspace = getattr(opt, "workspace", None)
+    return workspace.nbytes if workspace is not None else 0
 
 
 def _sync(device: str) -> None:
@@ -181,10 +204,12 @@ def _projected_step_seconds(
     """A step on ``shapes``, projected from one timed step on each distinct shape.
 
     Each distinct shape gets its own optimizer and one warm-up step; the second
-    step's time, times how often the shape occurs, is summed. Every peer
-    orthogonalizes its matrices one at a time, so its step is that sum plus a
-    little per-parameter work; the projection lets a peer whose full step would
-    take many minutes (bf16 emulated on a CPU without native bf16) be compared.
+    step's time, times how often the shape occurs, is summed. For a peer that
+    orthogonalizes its matrices one at a time (torch.optim.Muon, timm,
+    heavyball) its step is that sum plus a little per-parameter work; one that
+    batches the matrices of a shape (pytorch_optimizer 4.1.0) may take less.
+    The projection lets a peer whose full step would take many minutes (bf16
+    emulated on a CPU without native bf16) be compared; its rows say so.
     """
     total = 0.0
     for shape, count in Counter(shapes).items():
@@ -298,6 +323,14 @@ def case_muon(settings: Settings) -> Iterator[Row]:
                       f"{label} (bf16)", medians.get(label), "s",
                       "<= 0.8" if strict else "<= 1.0",
                       "" if label in medians else "see above", command)  # fmt: skip
+        faults = {name: _faults_per_step(step) for name, step in steps.items()}
+        workspace = _workspace_bytes(steps["ours"])
+        for peer in peers:
+            if peer.name in faults:
+                yield Row(f"{what}, minor page faults per step", "ours", faults["ours"],
+                          peer.name, faults[peer.name], "faults",
+                          note=f"ours keeps {workspace / 2**20:.0f} MiB of Newton-Schulz "
+                               "work buffers across steps", command=command)  # fmt: skip
         del steps
         gc.collect()
 
@@ -587,6 +620,7 @@ CASES: dict[str, Callable[[Settings], Iterator[Row]]] = {
     "import": case_import,
     "checkpoint": case_checkpoint,
     "swap": case_swap,
+    "paths": case_paths,
 }
 
 

@@ -266,6 +266,13 @@ def _check_teams(mesh: Any, rows: slice, sizes: tuple[int, ...], label: str) -> 
                     muon_module.newton_schulz_team = real
             trained[overlap] = model
         assert_bitwise_equal(trained[True], trained[False], f"{label}, teams of {size}")
+        # without kept work buffers (Muon.workspace = None): bitwise the same numbers
+        fresh = _sharded_copy(initial, mesh)
+        with exchange_options(overlap=True, team_size=str(size)):
+            opt = _optimizer(fresh)
+            opt.optimizers["muon"].workspace = None
+            _train(fresh, opt, batch[rows])
+        assert_bitwise_equal(trained[True], fresh, f"{label}, teams of {size}, no workspace")
         for (name, p), q in zip(trained[True].named_parameters(), reference.parameters(),
                                 strict=True):  # fmt: skip
             torch.testing.assert_close(

@@ -718,25 +718,79 @@ def test_large_matrices_iterate_one_by_one_with_the_same_result(
         assert bool(((singular > 0.6) & (singular < 1.3)).all()), singular
 
 
-@pytest.mark.parametrize("native_bf16", [False, True])
-def test_bf16_iterates_batched_where_the_cpu_multiplies_bf16_natively(
-    monkeypatch: pytest.MonkeyPatch, native_bf16: bool
+@pytest.mark.parametrize(
+    ("kind", "bf16_one_by_one"),
+    [("amx", False), ("avx512_bf16", True), ("avx2", True), ("other", True)],
+)
+def test_each_cpu_kind_takes_its_documented_path(
+    monkeypatch: pytest.MonkeyPatch, kind: str, bf16_one_by_one: bool
 ) -> None:
     from hyper_parallel_builtins.newton_schulz import _iterate as ns
     from hyper_parallel_builtins.newton_schulz import resolve_coefficients
 
     monkeypatch.setattr(ns, "PER_MATRIX_FROM", 6)
-    monkeypatch.setattr(ns, "cpu_has_native_bf16", lambda: native_bf16)
-    calls = []
-    iterate_one = ns._iterate_one
+    monkeypatch.setattr(ns, "cpu_kind", lambda: kind)
+    calls, layouts = [], []
+    iterate_one, update = ns._iterate_one, ns._update
     monkeypatch.setattr(ns, "_iterate_one", lambda *a: calls.append(1) or iterate_one(*a))
+    monkeypatch.setattr(ns, "_update", lambda *a: layouts.append(a[-1]) or update(*a))
     stack = [torch.randn(2, 8, 12)]
     coefficients = resolve_coefficients("keller", 5)
-    ns.newton_schulz_batched(stack, coefficients, dtype=torch.bfloat16)
-    assert len(calls) == (0 if native_bf16 else 2)  # one batched GEMM per product, or one by one
+    bf16 = ns.newton_schulz_batched(stack, coefficients, dtype=torch.bfloat16)
+    assert len(calls) == (2 if bf16_one_by_one else 0)  # one by one, or one batched GEMM
+    # P read as stored on the kinds that multiply bf16 natively, transposed elsewhere
+    assert set(layouts) == {kind not in ("amx", "avx512_bf16")}
     calls.clear()
-    ns.newton_schulz_batched(stack, coefficients, dtype=torch.float32)
+    fp32 = ns.newton_schulz_batched(stack, coefficients, dtype=torch.float32)
     assert len(calls) == 2  # float32 goes one by one on any CPU
+    # every path orthogonalizes alike: the bf16 result is the float32 one, rounded
+    torch.testing.assert_close(bf16[0].float(), fp32[0], atol=0.05, rtol=0.05)
+
+
+def test_the_cpu_kind_follows_the_capability_and_onednns_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hyper_parallel.core import compat
+
+    def capability(**flags: bool) -> None:
+        monkeypatch.setattr(compat.torch._C._cpu, "_get_cpu_capability", lambda: flags)
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    capability(avx2=True, avx512_bf16=True, amx_bf16=True)
+    assert compat.cpu_kind() == "amx" and compat.cpu_has_native_bf16()
+    for cap, kind in [
+        ("AVX512_CORE_BF16", "avx512_bf16"),
+        ("avx10_1_512_amx", "amx"),
+        ("AVX2", "avx2"),
+        ("AVX512_CORE", "avx2"),
+        ("ALL", "amx"),
+    ]:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert compat.cpu_kind() == kind, cap
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    capability(avx2=True, avx512_bf16=True)
+    assert compat.cpu_kind() == "avx512_bf16"
+    capability(avx2=True)
+    assert compat.cpu_kind() == "avx2" and not compat.cpu_has_native_bf16()
+    capability()
+    assert compat.cpu_kind() == "other"
+
+
+def test_unmeasured_kinds_and_accelerators_fall_back_as_documented() -> None:
+    from hyper_parallel_builtins.newton_schulz import (
+        ACCELERATOR_PATH,
+        CPU_PATHS,
+        UNMEASURED_CPU_PATH,
+        cpu_path,
+    )
+
+    cpu = torch.device("cpu")
+    for kind in ("amx", "avx512_bf16", "avx2"):
+        assert cpu_path(torch.bfloat16, cpu, kind) is CPU_PATHS[(kind, torch.bfloat16)]
+    assert cpu_path(torch.float16, cpu, "amx") is UNMEASURED_CPU_PATH
+    assert cpu_path(torch.bfloat16, cpu, "other") is UNMEASURED_CPU_PATH
+    assert UNMEASURED_CPU_PATH.per_matrix  # the symmetric products do fewer FLOPs
+    assert cpu_path(torch.bfloat16, torch.device("meta")) is ACCELERATOR_PATH
 
 
 def test_symmetric_product_equals_the_full_product_and_mirrors_the_upper_blocks(

@@ -8,6 +8,7 @@ these helpers rather than torch's private names.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -19,12 +20,14 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from hyper_parallel.core.errors import HyperParallelValueError
 
 __all__ = [
+    "CPU_KINDS",
     "OPTIMIZER_HOOKS",
     "PrefixStore",
     "Store",
     "TCPStore",
     "checkpoint_fqn",
     "cpu_has_native_bf16",
+    "cpu_kind",
     "device_has_foreach_support",
     "fsdp_param_groups",
     "fused_kernel_devices",
@@ -79,17 +82,54 @@ def checkpoint_fqn(model: torch.nn.Module, name: str) -> str:
     return next(iter(fqns))
 
 
+#: What a CPU multiplies matrices with, fastest first (:func:`cpu_kind`).
+CPU_KINDS = ("amx", "avx512_bf16", "avx2", "other")
+
+# oneDNN's ISA caps (``ONEDNN_MAX_CPU_ISA``) that keep bf16 in hardware without AMX;
+# a cap naming AMX keeps AMX, and any other cap (AVX2, AVX512_CORE, ...) has no native bf16.
+_BF16_WITHOUT_AMX_CAPS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX10_2_512")
+
+
+def cpu_kind() -> str:
+    """This CPU's kind for matrix products, one of :data:`CPU_KINDS`.
+
+    ``"amx"``: AMX-BF16 tiles; ``"avx512_bf16"``: bf16 dot products in
+    AVX-512 but no AMX; ``"avx2"``: no native bf16 (torch emulates bf16
+    matmul, about 30x slower than fp32); ``"other"``: none of these (or a
+    torch without the probe). It is what torch's CPU capability reports,
+    lowered by ``ONEDNN_MAX_CPU_ISA`` where that caps oneDNN, which runs
+    torch's bf16 matmuls, below the hardware.
+    """
+    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    if probe is None:
+        return "other"
+    capability = probe()
+    kind = (
+        "amx"
+        if capability.get("amx_bf16")
+        else "avx512_bf16"
+        if capability.get("avx512_bf16")
+        else "avx2"
+        if capability.get("avx2")
+        else "other"
+    )
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if not cap or cap in ("ALL", "DEFAULT") or kind not in ("amx", "avx512_bf16"):
+        return kind
+    if "AMX" in cap:
+        return kind
+    if cap in _BF16_WITHOUT_AMX_CAPS:
+        return "avx512_bf16"
+    return "avx2" if capability.get("avx2") else "other"
+
+
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX-BF16).
+    """Whether this CPU multiplies bf16 matrices in hardware (:func:`cpu_kind` is AMX or AVX512-BF16).
 
     Without either, torch emulates bf16 matmul on the CPU, about 30x slower
     than fp32. Unknown (a torch without the probe) reads as no.
     """
-    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
-    if probe is None:
-        return False
-    capability = probe()
-    return bool(capability.get("avx512_bf16") or capability.get("amx_bf16"))
+    return cpu_kind() in ("amx", "avx512_bf16")
 
 
 #: The kinds of hook ``torch.optim.Optimizer``'s ``register_<kind>_hook`` methods keep,

@@ -8,6 +8,7 @@ initializing the default process group from torchrun's environment.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import math
 import os
@@ -155,6 +156,14 @@ def _init_process_group_from_env(device_type: str) -> None:
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
         )
+    # The group is ours, so is its teardown: left to interpreter shutdown, gloo's worker
+    # threads can be destroyed while still joinable, and the process aborts after its work.
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _attempt_scoped_agent_store() -> Store | None:

@@ -39,6 +39,7 @@ from hyper_parallel_builtins.muon._options import (
 from hyper_parallel_builtins.muon._update import BlockTransform, MuonTeam, momentum_step
 from hyper_parallel_builtins.newton_schulz import (
     CoefficientSpec,
+    Workspace,
     newton_schulz_flops,
     resolve_ns_method,
 )
@@ -77,6 +78,7 @@ _INSTANCE_ATTRIBUTES = (
     "env_ns_dtype",
     "post_update_fn",
     "_head_dims",
+    "workspace",
 )
 
 
@@ -268,6 +270,9 @@ class Muon(MatrixOptimizer):
         self.reshape_fn, self.ns_transform_fn = reshape_fn, ns_transform_fn
         self.post_update_fn = post_update_fn
         self._head_dims: dict[Tensor, int] = {}
+        #: Newton-Schulz work buffers, kept from step to step (a copy starts with none);
+        #: ``None`` allocates them afresh at every step
+        self.workspace: Workspace | None = Workspace()
         # $HYPER_PARALLEL_NS_DTYPE, read when a group that follows it is added; never at a step
         self.env_ns_dtype: torch.dtype | None = None
         super().__init__(params, defaults, replica_group_size=self.hsdp_replica_count)
@@ -382,6 +387,7 @@ class Muon(MatrixOptimizer):
             reshape_fn=self.reshape_fn,
             ns_transform_fn=self.ns_transform_fn,
             env_dtype=self.env_ns_dtype,
+            workspace=self.workspace,
         )
         view, device = group["matrix_view"], layouts[0].device
 
@@ -401,7 +407,11 @@ class Muon(MatrixOptimizer):
             layouts,
             needs,
             cost=ns_flops,
-            team=MuonTeam(group, transform.dtype(layouts[0]), lr) if standard else None,
+            team=(
+                MuonTeam(group, transform.dtype(layouts[0]), lr, self.workspace)
+                if standard
+                else None
+            ),
         )
 
     def _post_update(

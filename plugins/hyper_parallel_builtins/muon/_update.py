@@ -39,6 +39,7 @@ from hyper_parallel_builtins.muon._options import (
     update_scale,
 )
 from hyper_parallel_builtins.newton_schulz import (
+    Workspace,
     newton_schulz_batched,
     newton_schulz_flops,
     newton_schulz_team,
@@ -121,8 +122,10 @@ def _as_update(result: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
     A tall matrix's Newton-Schulz result can come back as a transposed view;
     cast and laid out in one copy, its update is applied over contiguous
     memory (on a CPU, adding a transposed 2048 x 512 update took 16x the time).
+    It is always a copy: ``result`` may be a view of a ``Workspace`` buffer,
+    which the next Newton-Schulz call on its shape overwrites.
     """
-    return result.to(dtype, memory_format=torch.contiguous_format).mul_(scale)
+    return result.to(dtype, memory_format=torch.contiguous_format, copy=True).mul_(scale)
 
 
 class BlockTransform:
@@ -136,6 +139,8 @@ class BlockTransform:
             ``ns_transform_fn``.
         zeropower_fn, reshape_fn, ns_transform_fn: HyperParallel's
             extension callables, or ``None``.
+        workspace: Newton-Schulz work buffers kept across steps (the
+            optimizer's); ``None``: allocated per call.
     """
 
     def __init__(
@@ -148,8 +153,10 @@ class BlockTransform:
         reshape_fn: ReshapeFn | None = None,
         ns_transform_fn: NSTransformFn | None = None,
         env_dtype: torch.dtype | None = None,
+        workspace: Workspace | None = None,
     ) -> None:
         self.group, self.lr, self.names = group, lr, names
+        self.workspace = workspace
         self.env_dtype = env_dtype  # what $HYPER_PARALLEL_NS_DTYPE named when Muon was built
         self.zeropower_fn = zeropower_fn
         self.reshape_fn, self.ns_transform_fn = reshape_fn, ns_transform_fn
@@ -202,6 +209,7 @@ class BlockTransform:
                 eps_added=self.eps_added,
                 dtype=dtype,
                 method=self.group["ns_method"],
+                workspace=self.workspace,
             )
         stack = torch.cat([m.to(dtype) for m in matrices])
         given = stack[0] if stack.shape[0] == 1 else stack
@@ -217,7 +225,7 @@ class BlockTransform:
     def _by_param(self, block: Tensor, key: object) -> Tensor:
         """One param's whole update, cut into pieces as its ``reshape_fn``/``ns_transform_fn`` says."""
         name = self.names[cast(int, key)] if key is not None else None
-        working = block.to(self.dtype(block), memory_format=torch.contiguous_format, copy=True)
+        working = block.to(self.dtype(block), memory_format=torch.contiguous_format)
         transform = self._transform(name, working)
         shapes = [piece_shape(t.shape) for t in transform.tensors]
         results = self._orthogonalize(list(transform.tensors), shapes)
@@ -262,10 +270,18 @@ class MuonTeam:
             and ``matrix_view``).
         dtype: The Newton-Schulz dtype.
         lr: The group's lr this step (for ``apply_lr_in_update``).
+        workspace: Work buffers kept across steps (the optimizer's), or ``None``.
     """
 
-    def __init__(self, group: Mapping[str, Any], dtype: torch.dtype, lr: float = 0.0) -> None:
+    def __init__(
+        self,
+        group: Mapping[str, Any],
+        dtype: torch.dtype,
+        lr: float = 0.0,
+        workspace: Workspace | None = None,
+    ) -> None:
         self.group, self.dtype, self.lr = group, dtype, lr
+        self.workspace = workspace
         self.coefficients = coefficients_of(group)
         self.eps, self.eps_added = normalization_of(group)
 
@@ -302,6 +318,7 @@ class MuonTeam:
             eps=self.eps,
             eps_added=self.eps_added,
             dtype=self.dtype,
+            workspace=self.workspace,
         )
         return [
             _as_update((r.mT if tall else r).reshape(piece.shape), piece.dtype, scale)

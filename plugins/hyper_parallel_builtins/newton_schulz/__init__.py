@@ -31,6 +31,8 @@ from hyper_parallel_builtins.newton_schulz._coefficients import (
     resolve_coefficients,
 )
 from hyper_parallel_builtins.newton_schulz._iterate import (
+    ACCELERATOR_PATH,
+    CPU_PATHS,
     GRAM_FIRST_RESTART,
     GRAM_MIN_ASPECT,
     GRAM_MIN_ASPECT_CPU_LARGE,
@@ -39,6 +41,9 @@ from hyper_parallel_builtins.newton_schulz._iterate import (
     NS_METHODS,
     PER_MATRIX_FROM,
     SYMMETRIC_BLOCK_ROWS,
+    UNMEASURED_CPU_PATH,
+    CpuPath,
+    cpu_path,
     newton_schulz,
     newton_schulz_batched,
     newton_schulz_flops,
@@ -48,10 +53,13 @@ from hyper_parallel_builtins.newton_schulz._team import (
     newton_schulz_team,
     newton_schulz_team_collectives,
 )
+from hyper_parallel_builtins.newton_schulz._workspace import Workspace
 
 __all__ = [
+    "ACCELERATOR_PATH",
     "ASYM5_COEFFICIENTS",
     "COEFFICIENT_SETS",
+    "CPU_PATHS",
     "FIXED_LENGTH_SETS",
     "GRAM_FIRST_RESTART",
     "GRAM_MIN_ASPECT",
@@ -63,8 +71,12 @@ __all__ = [
     "NS_METHODS",
     "PER_MATRIX_FROM",
     "SYMMETRIC_BLOCK_ROWS",
+    "UNMEASURED_CPU_PATH",
     "CoefficientSpec",
     "Coefficients",
+    "CpuPath",
+    "Workspace",
+    "cpu_path",
     "custom_coefficients",
     "is_triple",
     "newton_schulz",

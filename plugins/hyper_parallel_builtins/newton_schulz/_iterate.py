@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from hyper_parallel.core.compat import cpu_has_native_bf16
+from hyper_parallel.core.compat import cpu_kind
 from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelValueError
 from hyper_parallel.core.options import did_you_mean
-
-if TYPE_CHECKING:
-    pass
-
 from hyper_parallel_builtins.newton_schulz._coefficients import Coefficients
+from hyper_parallel_builtins.newton_schulz._workspace import Workspace
 
 #: From this Gram size on, on CPU, each matrix is iterated with 2-D matmuls
 #: rather than one batched matmul, which lets the symmetric products below
@@ -76,31 +73,131 @@ def norm_divisor(norms: Tensor, eps: float, eps_added: bool) -> Tensor:
     return norms.add_(eps) if eps_added else norms.clamp_min_(eps)
 
 
-def _per_matrix(x: Tensor) -> bool:
-    """Whether the stack ``x`` iterates matrix by matrix (:data:`PER_MATRIX_FROM`).
+@dataclass(frozen=True)
+class CpuPath:
+    """How the standard iteration runs on one CPU kind in one dtype.
 
-    Measured on CPUs only: accelerators keep one batched GEMM per product, a
-    few large kernels rather than many smaller ones, and so do CPUs that
-    multiply bf16 natively when ``x`` is bf16: on an AMX CPU, 8 matrices of
-    1024 x 1024 took 140 ms batched against 169 ms one by one (768: 68
-    against 85 ms), while float32 there still took 0.78x batched time one
-    by one.
+    Attributes:
+        per_matrix: Stacks of :data:`PER_MATRIX_FROM` rows or more iterate one
+            matrix at a time with symmetric products (fewer FLOPs, smaller
+            GEMMs); else one batched GEMM per product.
+        poly_transposed: ``a X + P X`` reads ``P`` through its transposed
+            view (``P^T @ X``), else as stored (``P @ X``). ``P`` is
+            symmetric, so the two agree up to rounding, but CPU BLAS picks
+            different kernels for the two layouts.
+        measured: The figure the choice rests on (``docs/benchmarks.md``
+            gives the command), or how it was chosen where none was measured.
     """
-    if x.device.type != "cpu" or x.shape[-2] < PER_MATRIX_FROM:
-        return False
-    return not (x.dtype == torch.bfloat16 and cpu_has_native_bf16())
+
+    per_matrix: bool
+    poly_transposed: bool
+    measured: str
+
+
+#: The path of each (CPU kind, dtype) that was measured: Newton-Schulz alone on
+#: the benchmark's transformer sets, 2 threads (``python -m benchmarks --cases
+#: paths``; the table in docs/benchmarks.md); times are against one batched GEMM
+#: per product with ``P^T @ X``. The AVX2 rows are older measurements.
+CPU_PATHS: Mapping[tuple[str, torch.dtype], CpuPath] = MappingProxyType(
+    {
+        ("amx", torch.bfloat16): CpuPath(
+            per_matrix=False,
+            poly_transposed=False,
+            measured="AMX, bf16, d=1024 set: batched P @ X 0.87x, per matrix 0.96-0.99x; "
+            "d=512 set: 0.92x",
+        ),
+        ("avx512_bf16", torch.bfloat16): CpuPath(
+            per_matrix=True,
+            poly_transposed=False,
+            measured="AVX512-BF16 (no AMX), bf16, d=1024 set: per matrix P @ X 0.80x, "
+            "per matrix P^T @ X 0.82x, batched P @ X 1.00x",
+        ),
+        ("amx", torch.float32): CpuPath(
+            per_matrix=True,
+            poly_transposed=True,
+            measured="AMX CPU (float32 runs on its AVX-512), d=1024 set: per matrix 0.82x, "
+            "P @ X 0.99-1.01x",
+        ),
+        ("avx512_bf16", torch.float32): CpuPath(
+            per_matrix=True,
+            poly_transposed=True,
+            measured="AVX512-BF16 (AMX off), float32, d=1024 set: per matrix 0.85x, P @ X 0.86x",
+        ),
+        ("avx2", torch.float32): CpuPath(
+            per_matrix=True,
+            poly_transposed=True,
+            measured="AVX2, float32: per matrix 0.72-0.92x at 640-1024 rows; P^T @ X layouts "
+            "116-120 GFLOP/s against 86",
+        ),
+        ("avx2", torch.bfloat16): CpuPath(
+            per_matrix=True,
+            poly_transposed=True,
+            measured="AVX2 (bf16 emulated): per matrix 0.72-0.92x at 640-1024 rows; P^T @ X "
+            "layouts 11-15 GFLOP/s against 1.3",
+        ),
+    }
+)
+
+#: A (CPU kind, dtype) no one has measured: the FLOP count decides. Symmetric
+#: products do fewer FLOPs, and the two layouts do the same FLOPs.
+UNMEASURED_CPU_PATH = CpuPath(
+    per_matrix=True, poly_transposed=True, measured="not measured: the FLOP count"
+)
+
+#: Accelerators (not measured): one batched GEMM per product, a few large
+#: kernels rather than the many small ones of the symmetric products.
+ACCELERATOR_PATH = CpuPath(
+    per_matrix=False, poly_transposed=True, measured="not measured: one batched GEMM per product"
+)
+
+
+def cpu_path(dtype: torch.dtype, device: torch.device, kind: str | None = None) -> CpuPath:
+    """The path the standard iteration takes in ``dtype`` on ``device`` (:data:`CPU_PATHS`).
+
+    ``kind`` is the CPU's (:func:`~hyper_parallel.core.compat.cpu_kind`),
+    read from the machine where not given.
+    """
+    if device.type != "cpu":
+        return ACCELERATOR_PATH
+    return CPU_PATHS.get((kind or cpu_kind(), dtype), UNMEASURED_CPU_PATH)
+
+
+def _per_matrix(x: Tensor, path: CpuPath) -> bool:
+    """Whether the stack ``x`` iterates matrix by matrix (:data:`PER_MATRIX_FROM`)."""
+    return path.per_matrix and x.shape[-2] >= PER_MATRIX_FROM
+
+
+def buffer_like(
+    ws: Workspace | None, role: str, x: Tensor, dtype: torch.dtype | None = None
+) -> Tensor:
+    """A buffer shaped and laid out like ``x`` (in ``dtype``): the workspace's, else a new one."""
+    if ws is None:
+        return torch.empty_like(x, dtype=dtype)
+    return ws.take_like(role, x, dtype)
+
+
+def new_buffer(ws: Workspace | None, role: str, shape: Sequence[int], like: Tensor) -> Tensor:
+    """A contiguous ``shape`` buffer of ``like``'s dtype and device: the workspace's, else new."""
+    if ws is None:
+        return like.new_empty(tuple(shape))
+    return ws.take(role, shape, like.dtype, like.device)
 
 
 def _iterate_(
-    x: Tensor, coefficients: Sequence[Coefficients], eps: float, eps_added: bool
+    x: Tensor,
+    coefficients: Sequence[Coefficients],
+    eps: float,
+    eps_added: bool,
+    ws: Workspace | None = None,
 ) -> Tensor:
     """Run the iteration on ``x`` of shape (batch, rows, cols), ``rows <= cols``.
 
     ``x`` must be a tensor the caller owns: it is normalised in place and
     used as one of the two buffers the iterates alternate between, so the
-    result is ``x`` itself or one other stack of its shape. The Gram and
-    polynomial buffers are allocated once, not per iteration: fresh large
-    tensors cost page faults on CPU (5-10% of the iteration at d=512).
+    result is ``x`` itself or one other stack of its shape. The other stack
+    and the Gram and polynomial buffers come from ``ws`` (else they are
+    allocated once per call, not per iteration): fresh large tensors cost
+    page faults on CPU (5-10% of the iteration at d=512).
 
     Every product is written ``A @ B.mT`` or ``A.mT @ B``, using that the Gram
     matrix and the polynomial are symmetric: CPU BLAS picks faster kernels for
@@ -112,15 +209,16 @@ def _iterate_(
     # The Gram matrix is rows x rows, so rows <= cols keeps it the small one.
     x.div_(norm_divisor(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), eps, eps_added))
     batch, rows, _ = x.shape
-    spare = torch.empty_like(x)
-    if _per_matrix(x):
-        gram = x.new_empty(rows, rows)
-        poly = torch.empty_like(gram)
+    spare = buffer_like(ws, "spare", x)
+    path = cpu_path(x.dtype, x.device)
+    if _per_matrix(x, path):
+        gram = new_buffer(ws, "gram", (rows, rows), x)
+        poly = new_buffer(ws, "poly", (rows, rows), x)
         for i in range(batch):
-            _iterate_one(x[i], spare[i], gram, poly, coefficients)
+            _iterate_one(x[i], spare[i], gram, poly, coefficients, path.poly_transposed)
     else:
-        gram = x.new_empty(batch, rows, rows)
-        poly = torch.empty_like(gram)
+        gram = new_buffer(ws, "gram", (batch, rows, rows), x)
+        poly = new_buffer(ws, "poly", (batch, rows, rows), x)
         current, nxt = x, spare
         for a, b, c in coefficients:
             torch.bmm(current, current.mT, out=gram)
@@ -129,7 +227,7 @@ def _iterate_(
                 torch.mul(gram, b, out=poly)
             else:
                 torch.baddbmm(gram, gram, gram.mT, beta=b, alpha=c, out=poly)
-            _update(current, poly, a, nxt)
+            _update(current, poly, a, nxt, path.poly_transposed)
             current, nxt = nxt, current
     # Every matrix took the same number of steps, so all results are in one stack.
     return spare if len(coefficients) % 2 else x
@@ -141,6 +239,7 @@ def _iterate_one(
     gram: Tensor,
     poly: Tensor,
     coefficients: Sequence[Coefficients],
+    poly_transposed: bool,
 ) -> None:
     """:func:`_iterate_` on one normalised ``rows x cols`` matrix, with 2-D matmuls
     and symmetric products (:func:`_symmetric_product`).
@@ -157,7 +256,7 @@ def _iterate_one(
         else:
             # gram is symmetric, so gram @ gram == gram @ gram.T
             _symmetric_product(poly, gram, add_to=gram, beta=b, alpha=c)
-        _update(current, poly, a, nxt)
+        _update(current, poly, a, nxt, poly_transposed)
         current, nxt = nxt, current
 
 
@@ -166,17 +265,19 @@ def _transposed(t: Tensor) -> bool:
     return t.mT.is_contiguous() and not t.is_contiguous()
 
 
-def _update(current: Tensor, poly: Tensor, a: float, out: Tensor) -> None:
+def _update(current: Tensor, poly: Tensor, a: float, out: Tensor, poly_transposed: bool) -> None:
     """``out = a X + P X`` (``P`` symmetric), written in ``out``'s own layout.
 
-    For a transposed view the product is formed transposed, ``a X^T + X^T P``,
+    ``P`` is read through its transposed view with ``poly_transposed``, else
+    as stored (whichever layout :data:`CPU_PATHS` measured faster). For a
+    transposed view the product is formed transposed, ``a X^T + X^T P``,
     straight into the contiguous memory behind it: no transposing copy.
     """
     product = torch.addmm if current.dim() == 2 else torch.baddbmm
     if _transposed(out):
-        product(current.mT, current.mT, poly.mT, beta=a, out=out.mT)
+        product(current.mT, current.mT, poly.mT if poly_transposed else poly, beta=a, out=out.mT)
     else:
-        product(current, poly.mT, current, beta=a, out=out)
+        product(current, poly.mT if poly_transposed else poly, current, beta=a, out=out)
 
 
 #: The ways to run the iteration (``method`` of :func:`newton_schulz_batched`).
@@ -240,7 +341,11 @@ GRAM_RESTART_EVERY = 3
 
 
 def _iterate_gram_(
-    x: Tensor, coefficients: Sequence[Coefficients], eps: float, eps_added: bool
+    x: Tensor,
+    coefficients: Sequence[Coefficients],
+    eps: float,
+    eps_added: bool,
+    ws: Workspace | None = None,
 ) -> Tensor:
     """:func:`_iterate_` on the Gram matrix: the long side is touched only at restarts.
 
@@ -256,12 +361,14 @@ def _iterate_gram_(
 
     ``x`` (batch, rows, cols), ``rows <= cols``, is any stack the caller owns,
     a transposed view included: it is normalised in place and read only in
-    products. The result is a new stack laid out as ``x`` (or ``x`` itself
-    after no steps).
+    products. The result is another stack laid out as ``x`` (or ``x`` itself
+    after no steps); with ``ws``, every buffer is the workspace's.
     """
     x.div_(norm_divisor(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), eps, eps_added))
-    gram = torch.bmm(x, x.mT)
-    poly, q_t, spare = torch.empty_like(gram), torch.empty_like(gram), torch.empty_like(gram)
+    square = (x.shape[0], x.shape[1], x.shape[1])
+    gram = torch.bmm(x, x.mT, out=new_buffer(ws, "gram", square, x))
+    poly, q_t, spare = (new_buffer(ws, role, square, x) for role in ("poly", "q", "gram_spare"))
+    products = 0  # Q X_0 products so far: they alternate between two buffers
     identity = True  # Q is the identity (not stored): no step need multiply by it
     last = len(coefficients) - 1
     # Q is kept transposed (q_t), and every product is written A @ B.mT or A.mT @ B
@@ -271,7 +378,8 @@ def _iterate_gram_(
             step >= GRAM_FIRST_RESTART and (step - GRAM_FIRST_RESTART) % GRAM_RESTART_EVERY == 0
         )
         if restart and not identity:
-            x = _q_times(q_t, x)
+            x = _q_times(q_t, x, buffer_like(ws, f"qx{products % 2}", x))
+            products += 1
             torch.bmm(x, x.mT, out=gram)
             identity = True
         if c:
@@ -290,14 +398,16 @@ def _iterate_gram_(
             torch.bmm(spare.mT, poly, out=gram)  # (R P)^T P = P R P
             torch.add(gram, gram.mT, out=spare).mul_(0.5)  # symmetric, as P R P is
             gram, spare = spare, gram
-    return x if identity else _q_times(q_t, x)
+    return x if identity else _q_times(q_t, x, buffer_like(ws, f"qx{products % 2}", x))
 
 
-def _q_times(q_t: Tensor, x: Tensor) -> Tensor:
-    """``Q X``, laid out in memory as ``x`` is (see :func:`_update`)."""
+def _q_times(q_t: Tensor, x: Tensor, out: Tensor) -> Tensor:
+    """``Q X`` written in ``out``, laid out in memory as ``x`` is (see :func:`_update`)."""
     if _transposed(x):
-        return torch.bmm(x.mT, q_t).mT  # (X^T Q^T)^T
-    return torch.bmm(q_t.mT, x)
+        torch.bmm(x.mT, q_t, out=out.mT)  # (X^T Q^T)^T
+    else:
+        torch.bmm(q_t.mT, x, out=out)
+    return out
 
 
 def newton_schulz_flops(rows: int, cols: int, steps: int, method: str) -> float:
@@ -323,6 +433,7 @@ def newton_schulz_batched(
     eps_added: bool = False,
     dtype: torch.dtype | None = None,
     method: str = "standard",
+    workspace: Workspace | None = None,
 ) -> list[Tensor]:
     """Orthogonalize same-shape matrices in one batched iteration.
 
@@ -346,10 +457,14 @@ def newton_schulz_batched(
         method: ``"standard"``, ``"gram"`` (iterate on the Gram matrix,
             fewer FLOPs for matrices several times longer than wide; see
             :func:`_iterate_gram_`), or ``"auto"`` (:func:`resolve_ns_method`).
+        workspace: Where the stack and every work buffer come from, kept
+            from call to call (:class:`Workspace`); ``None``: allocated for
+            this call.
 
     Returns:
         One tensor per input, same shape, in ``dtype``. They are views into
-        one result stack.
+        one result stack: with a ``workspace``, one of its buffers, valid
+        until its next call on this shape.
 
     Raises:
         ValueError: matrices of different shapes or devices, fewer than 2
@@ -387,13 +502,18 @@ def newton_schulz_batched(
     # stack's own layout: on a CPU a transposing cast into bf16 took a quarter of a
     # 1376 x 512 matrix's Gram iteration, and a transposed result as much again to
     # cast back and apply.
-    x = torch.empty((sum(counts), rows, cols), dtype=dtype, device=first.device)
+    shape = (sum(counts), rows, cols)
+    x = (
+        torch.empty(shape, dtype=dtype, device=first.device)
+        if workspace is None
+        else workspace.take("stack", shape, dtype, first.device)
+    )
     start = 0
     for stack, count in zip(stacks, counts, strict=True):
         x[start : start + count].copy_(stack)
         start += count
     work = x.mT if tall else x
-    result = (_iterate_gram_ if gram else _iterate_)(work, coefficients, eps, eps_added)
+    result = (_iterate_gram_ if gram else _iterate_)(work, coefficients, eps, eps_added, workspace)
     if tall:
         result = result.mT
     out: list[Tensor] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,8 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 from hyper_parallel_builtins.newton_schulz._coefficients import Coefficients
-from hyper_parallel_builtins.newton_schulz._iterate import norm_divisor
+from hyper_parallel_builtins.newton_schulz._iterate import buffer_like, new_buffer, norm_divisor
+from hyper_parallel_builtins.newton_schulz._workspace import Workspace
 
 
 def _band(size: int, parts: int, part: int) -> tuple[int, int]:
@@ -29,6 +31,7 @@ def newton_schulz_team(
     eps: float = 1e-7,
     eps_added: bool = False,
     dtype: torch.dtype | None = None,
+    workspace: Workspace | None = None,
 ) -> list[Tensor]:
     """The standard iteration on column slices, shared by the ranks of ``group``.
 
@@ -44,63 +47,81 @@ def newton_schulz_team(
 
     Returns:
         This rank's slices of the results, in ``dtype`` (default: the first
-        slice's).
+        slice's). With a ``workspace`` they are views of its buffers, valid
+        until its next call on these shapes.
     """
     if not slices:
         return []
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     dtype = slices[0].dtype if dtype is None else dtype
-    xs = [s.to(dtype, copy=True) for s in slices]
+    xs = [buffer_like(workspace, f"team_in{i}", s, dtype).copy_(s) for i, s in enumerate(slices)]
     wide = torch.promote_types(dtype, torch.float32)
     squares = torch.cat([x.to(wide).square().sum((-2, -1)) for x in xs])
     dist.all_reduce(squares, group=group)
     norms = norm_divisor(squares.sqrt_(), eps, eps_added).split([x.shape[0] for x in xs])
     for x, norm in zip(xs, norms, strict=True):
         x.div_(norm.to(dtype).view(-1, 1, 1))
-    for a, b, c in coefficients:
-        grams = [torch.bmm(x, x.mT) for x in xs]
-        _all_reduce_each(grams, group)
+    grams_flat = new_buffer(
+        workspace, "team_grams", (sum(x.shape[0] * x.shape[1] ** 2 for x in xs),), xs[0]
+    )
+    for step, (a, b, c) in enumerate(coefficients):
+        grams = _views(grams_flat, [(x.shape[0], x.shape[1], x.shape[1]) for x in xs])
+        for x, gram in zip(xs, grams, strict=True):
+            torch.bmm(x, x.mT, out=gram)
+        dist.all_reduce(grams_flat, group=group)
         if c == 0.0:
             polys = [g.mul_(b) for g in grams]
         else:
-            polys = _team_polynomial(grams, b, c, ranks, me, group)
-        xs = [torch.baddbmm(x, p.mT, x, beta=a) for x, p in zip(xs, polys, strict=True)]
+            polys = _team_polynomial(grams, b, c, ranks, me, group, workspace)
+        xs = [
+            torch.baddbmm(
+                x, p.mT, x, beta=a, out=new_buffer(workspace, f"team_x{i}_{step % 2}", x.shape, x)
+            )
+            for i, (x, p) in enumerate(zip(xs, polys, strict=True))
+        ]
     return xs
 
 
-def _all_reduce_each(tensors: list[Tensor], group: ProcessGroup) -> None:
-    """Sum each tensor over ``group`` in place, all in one collective."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-        t.copy_(part.view_as(t))
+def _views(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
+    """Consecutive views of ``flat``, one per shape."""
+    sizes = [math.prod(shape) for shape in shapes]
+    return [
+        part.view(shape)
+        for part, shape in zip(flat[: sum(sizes)].split(sizes), shapes, strict=True)
+    ]
 
 
 def _team_polynomial(
-    grams: list[Tensor], b: float, c: float, ranks: int, me: int, group: ProcessGroup
+    grams: list[Tensor],
+    b: float,
+    c: float,
+    ranks: int,
+    me: int,
+    group: ProcessGroup,
+    workspace: Workspace | None,
 ) -> list[Tensor]:
     """``b A + c A A`` of each Gram matrix: this rank's band of rows, then one all-gather."""
-    bands, heights = [], []
-    for gram in grams:
-        rows = gram.shape[-1]
-        start, stop = _band(rows, ranks, me)
-        height = -(-rows // ranks)
-        band = gram.new_zeros(gram.shape[0], height, rows)
+    heights = [-(-gram.shape[-1] // ranks) for gram in grams]
+    band_shapes = [(g.shape[0], h, g.shape[-1]) for g, h in zip(grams, heights, strict=True)]
+    flat = new_buffer(workspace, "team_bands", (sum(map(math.prod, band_shapes)),), grams[0])
+    flat.zero_()  # the rows a band pads out travel but are never read
+    for gram, band in zip(grams, _views(flat, band_shapes), strict=True):
+        start, stop = _band(gram.shape[-1], ranks, me)
         mine = gram[:, start:stop]
-        band[:, : stop - start] = torch.baddbmm(mine, mine, gram.mT, beta=b, alpha=c)
-        bands.append(band.reshape(-1))
-        heights.append(height)
-    flat = torch.cat(bands)
-    gathered = flat.new_empty(ranks * flat.numel())
+        torch.baddbmm(mine, mine, gram.mT, beta=b, alpha=c, out=band[:, : stop - start])
+    gathered = new_buffer(workspace, "team_gathered", (ranks * flat.numel(),), flat)
     dist.all_gather_single(gathered, flat, group=group)
     per_rank = gathered.view(ranks, -1)
     polys, offset = [], 0
-    for gram, height in zip(grams, heights, strict=True):
+    for i, (gram, height) in enumerate(zip(grams, heights, strict=True)):
         batch, rows = gram.shape[0], gram.shape[-1]
         size = batch * height * rows
         padded = per_rank[:, offset : offset + size].view(ranks, batch, height, rows)
         heights_of = [stop - start for start, stop in (_band(rows, ranks, r) for r in range(ranks))]
-        polys.append(torch.cat([padded[r, :, :h] for r, h in enumerate(heights_of)], dim=1))
+        parts = [padded[r, :, :h] for r, h in enumerate(heights_of)]
+        polys.append(
+            torch.cat(parts, dim=1, out=new_buffer(workspace, f"team_poly{i}", gram.shape, gram))
+        )
         offset += size
     return polys
 

@@ -1,0 +1,86 @@
+"""The Newton-Schulz paths on this CPU: the figures ``CPU_PATHS`` rests on.
+
+Run from the repository root::
+
+    python -m benchmarks --cases paths
+    ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 python -m benchmarks --cases paths   # AMX off
+
+Newton-Schulz alone (the standard iteration, HyperParallel's 5 steps) on the
+matrices of the transformer sets, bucketed by shape as Muon buckets them, in
+the dtype Muon iterates in here and in float32. Each row times one path
+against one batched GEMM per product with ``P^T @ X``:
+
+- batched or per matrix (symmetric products, from ``PER_MATRIX_FROM`` rows);
+- ``a X + P X`` with ``P`` read as stored or through its transposed view.
+
+The note names the CPU kind (``hyper_parallel.core.compat.cpu_kind``) and the
+path the table in ``newton_schulz._iterate`` chose for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["case_paths"]
+
+
+def _runner(
+    buckets: list[list[torch.Tensor]], dtype: torch.dtype, per_matrix: bool, transposed: bool
+) -> Callable[[], None]:
+    import hyper_parallel_builtins.newton_schulz._iterate as ns
+    from hyper_parallel_builtins.newton_schulz import ASYM5_COEFFICIENTS, Workspace
+
+    path = ns.CpuPath(per_matrix=per_matrix, poly_transposed=transposed, measured="benchmark")
+    ws = Workspace()
+
+    def run() -> None:
+        chosen = ns.cpu_path
+        ns.cpu_path = lambda *args, **kwargs: path  # type: ignore[assignment]
+        try:
+            for matrices in buckets:
+                ns.newton_schulz_batched(
+                    matrices, ASYM5_COEFFICIENTS, dtype=dtype, method="standard", workspace=ws
+                )
+        finally:
+            ns.cpu_path = chosen
+
+    return run
+
+
+def case_paths(settings: Any) -> Iterator[Any]:
+    from benchmarks.suite import Row, _command, _interleaved_medians, transformer_shapes
+    from hyper_parallel.core.compat import cpu_kind
+    from hyper_parallel_builtins.muon import default_ns_dtype
+    from hyper_parallel_builtins.newton_schulz import cpu_path
+
+    kind = cpu_kind()
+    dtypes = dict.fromkeys([default_ns_dtype(torch.empty(0)), torch.float32])
+    gen = torch.Generator().manual_seed(0)
+    for dim, dtype in itertools.product(settings.dims, dtypes):
+        shapes = Counter(transformer_shapes(dim, settings.layers))
+        buckets = [[torch.randn(s, generator=gen) for _ in range(n)] for s, n in shapes.items()]
+        runs = {
+            (per, transposed): _runner(buckets, dtype, per, transposed)
+            for per in (False, True)
+            for transposed in (True, False)
+        }
+        names = {key: f"{'per matrix' if key[0] else 'batched'}, "
+                      f"{'P^T @ X' if key[1] else 'P @ X'}" for key in runs}  # fmt: skip
+        medians, _ = _interleaved_medians(
+            {names[k]: run for k, run in runs.items()}, settings.repeats, "cpu"
+        )
+        chosen = cpu_path(dtype, torch.device("cpu"))
+        picked = (chosen.per_matrix, chosen.poly_transposed)
+        base = names[(False, True)]
+        what = f"Newton-Schulz paths, d={dim}, {str(dtype).removeprefix('torch.')}, CPU {kind}"
+        for key, name in names.items():
+            if name == base:
+                continue
+            note = f"the path chosen for {kind}" if key == picked else ""
+            yield Row(what, name, medians[name], base, medians[base], "s", "", note,
+                      _command("paths", settings, f"--dims {dim}"))  # fmt: skip

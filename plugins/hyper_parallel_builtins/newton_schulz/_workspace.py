@@ -1,0 +1,83 @@
+"""Newton-Schulz work buffers kept from one step to the next.
+
+A step of Muon on a transformer stacks dozens of matrices of one shape and
+iterates them together; the stack, its spare, and the Gram and polynomial
+stacks run to tens of megabytes each. Allocated afresh per step, buffers that
+large come from new pages of memory every time: on a 2-core CPU, 200,000
+minor page faults per step at d=1024, a tenth of the step. A
+:class:`Workspace` keeps them instead, for as long as the optimizer that
+owns it lives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["Workspace"]
+
+_Key = tuple[str, tuple[int, ...], torch.dtype, torch.device]
+
+
+class Workspace:
+    """Named work buffers, one per (role, shape, dtype, device), reused call after call.
+
+    Matrices of one shape share their buffers; different shapes, dtypes or
+    devices never do. A buffer handed out by :meth:`take` is valid until the
+    next :meth:`take` of the same role and shape: the iteration's results are
+    views of the workspace's buffers, so a caller copies what it keeps
+    (Muon's update is a copy: it is cast and scaled out of them).
+
+    Examples:
+        >>> ws = Workspace()
+        >>> a = ws.take("gram", (4, 64, 64), torch.float32, torch.device("cpu"))
+        >>> a is ws.take("gram", (4, 64, 64), torch.float32, torch.device("cpu"))
+        True
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[_Key, Tensor] = {}
+
+    def take(
+        self, role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        """The ``role`` buffer of this shape, dtype and device: made once, then the same one."""
+        key = (role, tuple(shape), dtype, torch.device(device))
+        held = self._buffers.get(key)
+        if held is None:
+            held = self._buffers[key] = torch.empty(key[1], dtype=dtype, device=device)
+        return held
+
+    def take_like(self, role: str, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """A ``role`` buffer shaped and laid out like ``x`` (a transposed view stays one).
+
+        Its dtype is ``dtype``, else ``x``'s.
+        """
+        dtype = x.dtype if dtype is None else dtype
+        if x.dim() >= 2 and x.mT.is_contiguous() and not x.is_contiguous():
+            return self.take(role, (*x.shape[:-2], x.shape[-1], x.shape[-2]), dtype, x.device).mT
+        return self.take(role, x.shape, dtype, x.device)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the buffers hold."""
+        return sum(math.prod(k[1]) * k[2].itemsize for k in self._buffers)
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def clear(self) -> None:
+        """Give every buffer back (they are made again when next needed)."""
+        self._buffers.clear()
+
+    def __repr__(self) -> str:
+        return f"Workspace({len(self)} buffers, {self.nbytes / 2**20:.1f} MiB)"
+
+    def __getstate__(self) -> dict[str, object]:
+        return {}  # a copy starts empty: buffers are scratch, never state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__()  # type: ignore[misc]
