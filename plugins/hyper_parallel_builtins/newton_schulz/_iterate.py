@@ -96,47 +96,28 @@ class CpuPath:
 
 #: The path of each (CPU kind, dtype) that was measured: Newton-Schulz alone on
 #: the benchmark's transformer sets, 2 threads (``python -m benchmarks --cases
-#: paths``; the table in docs/benchmarks.md); times are against one batched GEMM
-#: per product with ``P^T @ X``. The AVX2 rows are older measurements.
+#: paths``; the table in docs/benchmarks.md), against one batched GEMM per product
+#: reading ``P`` transposed. AVX512-BF16 was measured on an AMX CPU with oneDNN
+#: capped below AMX; the AVX2 figures are older, from a 2-core AVX2 CPU.
 CPU_PATHS: Mapping[tuple[str, torch.dtype], CpuPath] = MappingProxyType(
     {
         ("amx", torch.bfloat16): CpuPath(
-            per_matrix=False,
-            poly_transposed=False,
-            measured="AMX, bf16, d=1024 set: batched P @ X 0.87x, per matrix 0.96-0.99x; "
-            "d=512 set: 0.92x",
+            False, False, "batched P @ X 0.85x (d=1024 set), 0.99x (d=512); per matrix 0.97-1.05x"
         ),
         ("avx512_bf16", torch.bfloat16): CpuPath(
-            per_matrix=True,
-            poly_transposed=False,
-            measured="AVX512-BF16 (no AMX), bf16, d=1024 set: per matrix P @ X 0.80x, "
-            "per matrix P^T @ X 0.82x, batched P @ X 1.00x",
+            True, False, "d=1024 set: per matrix P @ X 0.79x, P^T @ X 0.80x; batched P @ X 0.99x"
         ),
-        ("amx", torch.float32): CpuPath(
-            per_matrix=True,
-            poly_transposed=True,
-            measured="AMX CPU (float32 runs on its AVX-512), d=1024 set: per matrix 0.82x, "
-            "P @ X 0.99-1.01x",
+        **dict.fromkeys(
+            [("amx", torch.float32), ("avx512_bf16", torch.float32)],
+            CpuPath(True, True, "d=1024 set: per matrix 0.83-0.86x; batched P @ X 0.99-1.03x"),
         ),
-        ("avx512_bf16", torch.float32): CpuPath(
-            per_matrix=True,
-            poly_transposed=True,
-            measured="AVX512-BF16 (AMX off), float32, d=1024 set: per matrix 0.85x, P @ X 0.86x",
-        ),
-        ("avx2", torch.float32): CpuPath(
-            per_matrix=True,
-            poly_transposed=True,
-            measured="AVX2, float32: per matrix 0.72-0.92x at 640-1024 rows; P^T @ X layouts "
-            "116-120 GFLOP/s against 86",
-        ),
-        ("avx2", torch.bfloat16): CpuPath(
-            per_matrix=True,
-            poly_transposed=True,
-            measured="AVX2 (bf16 emulated): per matrix 0.72-0.92x at 640-1024 rows; P^T @ X "
-            "layouts 11-15 GFLOP/s against 1.3",
+        **dict.fromkeys(
+            [("avx2", torch.float32), ("avx2", torch.bfloat16)],
+            CpuPath(True, True, "per matrix 0.72-0.92x at 640-1024 rows; P^T @ X layouts "
+                    "116-120 GFLOP/s against 86 (float32), 11-15 against 1.3 (bf16)"),
         ),
     }
-)
+)  # fmt: skip
 
 #: A (CPU kind, dtype) no one has measured: the FLOP count decides. Symmetric
 #: products do fewer FLOPs, and the two layouts do the same FLOPs.
