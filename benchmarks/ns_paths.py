@@ -14,7 +14,7 @@ against one batched GEMM per product with ``P^T @ X``:
 - ``a X + P X`` with ``P`` read as stored or through its transposed view.
 
 The note names the CPU kind (``hyper_parallel.core.compat.cpu_kind``) and the
-path the table in ``newton_schulz._iterate`` chose for it.
+path the table in ``newton_schulz._paths`` chose for it.
 """
 
 from __future__ import annotations

@@ -144,6 +144,28 @@ def _faults_per_step(step: Callable[[], object], steps: int = 2) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
 
 
+def _step_peak_mib(step: Callable[[], object]) -> float | None:
+    """MiB of resident memory one call of ``step`` adds at its peak (Linux; else ``None``).
+
+    The process's peak RSS is reset first (``/proc/self/clear_refs``), so
+    the figure is the step's own: the temporaries it makes, not what the
+    process already holds (params, state, other optimizers).
+    """
+    status = Path("/proc/self/status")
+
+    def field(name: str) -> float:
+        line = next(x for x in status.read_text().splitlines() if x.startswith(name))
+        return float(line.split()[1]) / 1024  # kB
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        before = field("VmRSS:")
+    except OSError:
+        return None
+    step()
+    return max(field("VmHWM:") - before, 0.0)
+
+
 def _workspace_bytes(step: Callable[[], object]) -> int:
     """The bytes of the Newton-Schulz workspace held by the optimizer ``step`` steps."""
     opt = getattr(step, "optimizer", None)
@@ -323,16 +345,85 @@ def case_muon(settings: Settings) -> Iterator[Row]:
                       f"{label} (bf16)", medians.get(label), "s",
                       "<= 0.8" if strict else "<= 1.0",
                       "" if label in medians else "see above", command)  # fmt: skip
+        yield _matmul_limit_row(what, shapes, medians["ours"], device, command)
         faults = {name: _faults_per_step(step) for name, step in steps.items()}
+        peaks = {name: _step_peak_mib(step) for name, step in steps.items()}
         workspace = _workspace_bytes(steps["ours"])
         for peer in peers:
             if peer.name in faults:
                 yield Row(f"{what}, minor page faults per step", "ours", faults["ours"],
-                          peer.name, faults[peer.name], "faults",
-                          note=f"ours keeps {workspace / 2**20:.0f} MiB of Newton-Schulz "
+                          peer.name, faults[peer.name], "faults", command=command)  # fmt: skip
+            if peaks["ours"] is not None and peer.name in peaks:
+                yield Row(f"{what}, memory a step adds at its peak", "ours", peaks["ours"],
+                          peer.name, peaks[peer.name], "MiB",
+                          note=f"ours also keeps {workspace / 2**20:.0f} MiB of Newton-Schulz "
                                "work buffers across steps", command=command)  # fmt: skip
         del steps
         gc.collect()
+
+
+def _matmul_limit_row(
+    what: str, shapes: Sequence[tuple[int, int]], step_s: float, device: str, command: str
+) -> Row:
+    """Our step against the matmul limit: the FLOPs our Newton-Schulz does, at bare GEMM speed.
+
+    For each shape, the FLOPs of the path Muon's defaults take there (method,
+    per-matrix symmetric products or batched, dtype), and the rate of the
+    plain iteration's three products (``X X^T``, ``A A``, ``A X``) as
+    batched ``torch.bmm`` into preallocated outputs on that shape and dtype.
+    The limit is the time those FLOPs take at those rates; the ratio is the
+    share of it our whole step reaches (momentum and the update included).
+    """
+    from hyper_parallel_builtins.muon import default_ns_dtype
+    from hyper_parallel_builtins.newton_schulz import (
+        PER_MATRIX_FROM,
+        SYMMETRIC_BLOCK_ROWS,
+        cpu_path,
+        newton_schulz_flops,
+        resolve_ns_method,
+    )
+
+    dtype = default_ns_dtype(torch.empty(0, device=device))
+    steps, done, limit_s = 5, 0.0, 0.0
+    for (rows, cols), count in Counter(shapes).items():
+        small, large = min(rows, cols), max(rows, cols)
+        method = resolve_ns_method("auto", rows, cols, torch.device(device))
+        symmetric = (
+            method == "standard"
+            and small >= PER_MATRIX_FROM
+            and cpu_path(dtype, torch.device(device)).per_matrix
+        )
+        flops = (
+            _ns_flops(count, rows, cols, steps, SYMMETRIC_BLOCK_ROWS)
+            if symmetric
+            else count * newton_schulz_flops(rows, cols, steps, method)
+        )
+        done += flops
+        rate = _ns_flops(count, rows, cols, 1) / _products_seconds(
+            count, small, large, dtype, device
+        )
+        limit_s += flops / rate
+    return Row(
+        f"{what}, share of the matmul limit", "ours (its Newton-Schulz FLOPs per step time)",
+        done / step_s / 1e9, "torch.bmm on the same shapes and dtype", done / limit_s / 1e9,
+        "GFLOP/s", note=f"the limit: {limit_s:.3f} s of GEMMs in {dtype}".replace("torch.", ""),
+        command=command,
+    )  # fmt: skip
+
+
+def _products_seconds(count: int, small: int, large: int, dtype: torch.dtype, device: str) -> float:
+    """Seconds of one plain Newton-Schulz step's three products on ``count`` matrices, as bare bmm."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(count, small, large, generator=gen).to(device, dtype)
+    a = torch.randn(count, small, small, generator=gen).to(device, dtype)
+    gram_out, x_out = torch.empty_like(a), torch.empty_like(x)
+
+    def products() -> None:
+        torch.bmm(x, x.mT, out=gram_out)
+        torch.bmm(a, a, out=gram_out)
+        torch.bmm(a, x, out=x_out)
+
+    return _interleaved_medians({"mm": products}, 3, device)[0]["mm"]
 
 
 def case_gram(settings: Settings) -> Iterator[Row]:

@@ -158,17 +158,17 @@ def counting_newton_schulz() -> Iterator[list[int]]:
     import hyper_parallel_builtins.muon._update as muon_module
 
     counted: list[int] = []
-    real = muon_module.newton_schulz_batched
+    real = muon_module.newton_schulz_stack_
 
-    def counting(matrices: list[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-        counted.append(sum(m.shape[0] for m in matrices))
-        return real(matrices, *args, **kwargs)
+    def counting(stack: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        counted.append(stack.shape[0])
+        return real(stack, *args, **kwargs)
 
-    muon_module.newton_schulz_batched = counting  # type: ignore[assignment]
+    muon_module.newton_schulz_stack_ = counting  # type: ignore[assignment]
     try:
         yield counted
     finally:
-        muon_module.newton_schulz_batched = real  # type: ignore[assignment]
+        muon_module.newton_schulz_stack_ = real  # type: ignore[assignment]
 
 
 @pytest.fixture

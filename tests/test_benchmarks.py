@@ -44,8 +44,13 @@ def test_entry_point_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     measured = [r for r in rows if r["peer"] is not None]
     assert measured and all(r["ours"] > 0 and r["ratio"] > 0 for r in measured)
     # without peers, the Muon rows say so instead of showing a figure
-    muon = [r for r in rows if r["case"].startswith("Muon step")]
+    muon = [
+        r for r in rows if r["case"].startswith("Muon step") and "matmul limit" not in r["case"]
+    ]
     assert muon and all(r["peer"] is None and r["ratio"] is None for r in muon)
+    # the share of the matmul limit needs no peer: one row per set
+    limits = [r for r in rows if r["case"].endswith("share of the matmul limit")]
+    assert len(limits) == 2 and all(r["ratio"] > 0 for r in limits)
     # a saved run prints the same table again without measuring
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     again = _bench("--from-json", str(out))

@@ -474,7 +474,7 @@ def _exchange_order(model: torch.nn.Module, *, overlap: bool) -> list[str]:
     from hyper_parallel.core.optimizer import Muon
 
     events: list[str] = []
-    compute = muon_module.newton_schulz_batched
+    compute = muon_module.newton_schulz_stack_
 
     def computing(*args: Any, **kwargs: Any) -> Any:
         events.append("compute")
@@ -483,11 +483,11 @@ def _exchange_order(model: torch.nn.Module, *, overlap: bool) -> list[str]:
     matrices = [p for p in model.parameters() if p.ndim == 2 and p.grad is not None]
     with exchange_options(overlap=overlap), recording_exchanges(events):  # type: ignore[arg-type]
         opt = Muon(matrices, lr=0.02)
-        muon_module.newton_schulz_batched = computing  # type: ignore[assignment]
+        muon_module.newton_schulz_stack_ = computing  # type: ignore[assignment]
         try:
             opt.step()
         finally:
-            muon_module.newton_schulz_batched = compute
+            muon_module.newton_schulz_stack_ = compute
     return events
 
 

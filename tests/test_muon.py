@@ -260,14 +260,14 @@ def test_loads_a_torch_muon_state_dict_and_continues_the_same() -> None:
 def ns_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
     """The dtype each batched Newton-Schulz call of Muon returned (= ran in)."""
     seen: list[torch.dtype] = []
-    real = muon_module.newton_schulz_batched
+    real = muon_module.newton_schulz_stack_
 
-    def spy(matrices: Sequence[Tensor], *args: Any, **kwargs: Any) -> list[Tensor]:
-        out = real(matrices, *args, **kwargs)
-        seen.extend(o.dtype for o in out)
+    def spy(stack: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        out = real(stack, *args, **kwargs)
+        seen.append(out.dtype)
         return out
 
-    monkeypatch.setattr(muon_module, "newton_schulz_batched", spy)
+    monkeypatch.setattr(muon_module, "newton_schulz_stack_", spy)
     return seen
 
 
@@ -514,13 +514,13 @@ def test_same_shape_matrices_are_batched_and_match_one_at_a_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     batch_sizes: list[int] = []
-    real = muon_module.newton_schulz_batched
+    real = muon_module.newton_schulz_stack_
 
-    def count(matrices: Sequence[Tensor], *args: Any, **kwargs: Any) -> list[Tensor]:
-        batch_sizes.append(sum(m.shape[0] for m in matrices))
-        return real(matrices, *args, **kwargs)
+    def count(stack: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        batch_sizes.append(stack.shape[0])
+        return real(stack, *args, **kwargs)
 
-    monkeypatch.setattr(muon_module, "newton_schulz_batched", count)
+    monkeypatch.setattr(muon_module, "newton_schulz_stack_", count)
     gen = torch.Generator().manual_seed(7)
     shapes = [(16, 24), (40, 8), (16, 24), (2, 16, 24), (40, 8)]
     params = [torch.randn(*s, generator=gen) for s in shapes]
@@ -684,6 +684,7 @@ def test_large_matrices_iterate_one_by_one_with_the_same_result(
 ) -> None:
     """The per-matrix path, its symmetric block products and odd/even step counts agree."""
     from hyper_parallel_builtins.newton_schulz import _iterate as ns
+    from hyper_parallel_builtins.newton_schulz import _paths as paths
     from hyper_parallel_builtins.newton_schulz import resolve_coefficients
 
     gen = torch.Generator().manual_seed(3)
@@ -692,7 +693,7 @@ def test_large_matrices_iterate_one_by_one_with_the_same_result(
                 torch.randn(7, 9, generator=gen, dtype=torch.float64)]  # fmt: skip
     coefficients = resolve_coefficients(spec, steps)
     batched = [ns.newton_schulz_batched([m], coefficients)[0] for m in matrices]
-    monkeypatch.setattr(ns, "PER_MATRIX_FROM", 6)
+    monkeypatch.setattr(paths, "PER_MATRIX_FROM", 6)
     monkeypatch.setattr(ns, "SYMMETRIC_BLOCK_ROWS", block_rows)  # 7 rows: ragged last block
     calls = {"matrices": 0, "stripes": 0}
     iterate_one, mm = ns._iterate_one, torch.mm
@@ -726,10 +727,11 @@ def test_each_cpu_kind_takes_its_documented_path(
     monkeypatch: pytest.MonkeyPatch, kind: str, bf16_one_by_one: bool
 ) -> None:
     from hyper_parallel_builtins.newton_schulz import _iterate as ns
+    from hyper_parallel_builtins.newton_schulz import _paths as paths
     from hyper_parallel_builtins.newton_schulz import resolve_coefficients
 
-    monkeypatch.setattr(ns, "PER_MATRIX_FROM", 6)
-    monkeypatch.setattr(ns, "cpu_kind", lambda: kind)
+    monkeypatch.setattr(paths, "PER_MATRIX_FROM", 6)
+    monkeypatch.setattr(paths, "cpu_kind", lambda: kind)
     calls, layouts = [], []
     iterate_one, update = ns._iterate_one, ns._update
     monkeypatch.setattr(ns, "_iterate_one", lambda *a: calls.append(1) or iterate_one(*a))

@@ -15,6 +15,7 @@ from hyper_parallel_builtins.newton_schulz import (
     ASYM5_COEFFICIENTS,
     Workspace,
     newton_schulz_batched,
+    resolve_coefficients,
 )
 
 CPU = torch.device("cpu")
@@ -113,3 +114,99 @@ def test_buffers_go_with_the_optimizer_and_copies_start_without_them() -> None:
     del opt
     gc.collect()
     assert all(ref() is None for ref in held)
+
+
+# -- a step on one process: param by param ------------------------------------
+
+#: Wide, tall, square and an expert stack, two of each: each shape one Newton-Schulz call.
+STEP_SHAPES = [(24, 40), (24, 40), (56, 16), (56, 16), (32, 32), (32, 32), (3, 20, 36), (3, 20, 36)]
+
+
+def _three_steps(
+    holds_whole: bool, monkeypatch: pytest.MonkeyPatch, **options: object
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Params and momentum buffers after 3 Muon steps, stepped param by param or all at once."""
+    from hyper_parallel_builtins.local_backend import LocalBackend
+
+    monkeypatch.setattr(LocalBackend, "holds_whole", holds_whole)
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in STEP_SHAPES]
+    opt = Muon(params, lr=0.02, **options)  # type: ignore[arg-type]
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return [p.detach() for p in params], [opt.state[p]["momentum_buffer"] for p in params]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # HyperParallel's rule: Nesterov, the update apart from the buffer
+        {"ns_dtype": torch.bfloat16, "weight_decay": 0.1},
+        {"nesterov": False},  # the update is the buffer itself
+        {"adjust_lr_fn": "original"},  # torch's rule (lerp)
+        {"adjust_lr_fn": "original", "nesterov": False, "ns_method": "gram"},
+        {"apply_lr_in_update": True, "ns_dtype": torch.float32},
+    ],
+)
+def test_a_step_param_by_param_gives_the_numbers_of_one_over_all_updates(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, object]
+) -> None:
+    streamed = _three_steps(True, monkeypatch, **options)
+    together = _three_steps(False, monkeypatch, **options)
+    for a, b in zip(streamed[0] + streamed[1], together[0] + together[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_step_allocates_nothing_the_size_of_a_param(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The updates go through one buffer per shape: none made per param per step."""
+    from hyper_parallel_builtins.local_backend import LocalBackend
+
+    def largest_allocation(holds_whole: bool) -> int:
+        monkeypatch.setattr(LocalBackend, "holds_whole", holds_whole)
+        params = [torch.nn.Parameter(torch.randn(64, 96)) for _ in range(6)]
+        opt = Muon(params, lr=0.02, ns_dtype=torch.float32)
+        for _ in range(2):  # the first step makes the workspace's buffers
+            for p in params:
+                p.grad = torch.randn_like(p)
+            with torch.profiler.profile(profile_memory=True) as prof:
+                opt.step()
+        return max(e.cpu_memory_usage for e in prof.events())
+
+    param_bytes = 64 * 96 * 4
+    assert largest_allocation(True) < param_bytes / 4  # scalars and norms only
+    assert largest_allocation(False) >= param_bytes  # what the same step made all at once
+
+
+def test_tall_stacks_are_laid_out_transposed_only_where_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hyper_parallel_builtins.newton_schulz import _iterate as ns
+    from hyper_parallel_builtins.newton_schulz import _paths as paths
+
+    monkeypatch.setattr(paths, "cpu_kind", lambda: "amx")
+    assert paths.CPU_PATHS[("amx", torch.bfloat16)].tall_transposed
+    stack = ns.new_stack((3, 48, 16), torch.bfloat16, CPU, None)
+    assert stack.shape == (3, 48, 16) and stack.mT.is_contiguous()  # iterated contiguous
+    for laid_out_as_is in [
+        ns.new_stack((3, 16, 48), torch.bfloat16, CPU, None),  # wide
+        ns.new_stack((3, 48, 16), torch.float32, CPU, None),  # float32: not measured faster
+        ns.new_stack((3, 64, 16), torch.bfloat16, CPU, None, "auto"),  # Gram's aspect
+    ]:
+        assert laid_out_as_is.is_contiguous()
+    for kind in ("avx512_bf16", "avx2", "other"):
+        monkeypatch.setattr(paths, "cpu_kind", lambda kind=kind: kind)
+        assert ns.new_stack((3, 48, 16), torch.bfloat16, CPU, None).is_contiguous()
+
+    # the numbers do not depend on the layout beyond rounding: the iteration is the same
+    coefficients = resolve_coefficients("keller", 5)
+    gen = torch.Generator().manual_seed(0)
+    matrices = [torch.randn(2, 48, 16, generator=gen), torch.randn(48, 16, generator=gen)]
+    monkeypatch.setattr(paths, "cpu_kind", lambda: "amx")
+    transposed = ns.newton_schulz_batched(matrices, coefficients, dtype=torch.bfloat16)
+    monkeypatch.setattr(paths, "cpu_kind", lambda: "avx2")
+    as_is = ns.newton_schulz_batched(matrices, coefficients, dtype=torch.bfloat16)
+    for a, b in zip(transposed, as_is, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.05)

@@ -42,6 +42,7 @@ class LocalBackend(ShardingBackend):
     """No sharding: every param is a plain tensor held whole by this process."""
 
     name: ClassVar[str] = "local"
+    holds_whole: ClassVar[bool] = True
 
     def accepts(self, params: Sequence[torch.Tensor]) -> bool:
         return not any(is_dtensor(p) for p in params)
@@ -78,6 +79,7 @@ class DDPBackend(LocalBackend):
 
     name: ClassVar[str] = "ddp"
     auto_detect: ClassVar[bool] = False
+    holds_whole: ClassVar[bool] = False  # each rank transforms a share of the params
 
     group_replicas = ShardingBackend.group_replicas  # replicas here are every rank: not grouped
 

@@ -103,6 +103,10 @@ class ShardingBackend(abc.ABC):
     name: ClassVar[str] = ""
     #: Whether :func:`resolve_backend` may pick this backend when none is named.
     auto_detect: ClassVar[bool] = True
+    #: Whether this process holds every param whole, as a plain tensor, and steps it
+    #: with no other rank: a matrix optimizer may then make, transform and apply each
+    #: param's update in turn rather than through :meth:`map_prepared_blocks`.
+    holds_whole: ClassVar[bool] = False
 
     @abc.abstractmethod
     def accepts(self, params: Sequence[torch.Tensor]) -> bool:

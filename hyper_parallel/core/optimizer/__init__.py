@@ -20,6 +20,7 @@ from hyper_parallel.core.optimizer._matrix import (
     apply_momentum,
     by_device_and_dtype,
     momentum_updates,
+    new_or_into,
 )
 from hyper_parallel.core.optimizer._nonfinite import grads_are_finite, step_if_finite
 from hyper_parallel.core.optimizer._scheduler import HyperLRScheduler, get_hyper_lr_scheduler
@@ -49,6 +50,7 @@ __all__ = [
     "grads_are_finite",
     "is_swap_optimizer",
     "momentum_updates",
+    "new_or_into",
     "step_if_finite",
 ]
 

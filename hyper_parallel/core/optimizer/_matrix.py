@@ -11,7 +11,7 @@ handle.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, overload
 
 import torch
@@ -29,6 +29,7 @@ __all__ = [
     "apply_momentum",
     "by_device_and_dtype",
     "momentum_updates",
+    "new_or_into",
 ]
 
 
@@ -182,12 +183,39 @@ def by_device_and_dtype(tensors: list[Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-#: A momentum rule on one device's and dtype's local tensors: ``rule(buffers, grads)`` steps
+#: A momentum rule on one device's and dtype's local tensors: ``rule(buffers, grads, out)`` steps
 #: the buffers in place and returns the updates, or ``None`` when the updates are the buffers.
-MomentumRule = Callable[[list[Tensor], list[Tensor]], "list[Tensor] | None"]
+#: Updates that are not the buffers go into ``out`` (one tensor per buffer, laid out like it)
+#: where given, else into new tensors (:func:`new_or_into`).
+MomentumRule = Callable[[list[Tensor], list[Tensor], "list[Tensor] | None"], "list[Tensor] | None"]
 
 
-def apply_momentum(buffers: list[Tensor], grads: list[Tensor], rule: MomentumRule) -> list[Tensor]:
+def new_or_into(
+    out: list[Tensor] | None,
+    foreach_op: Callable[..., Sequence[Tensor]],
+    op: Callable[..., Tensor],
+    *lists: list[Tensor],
+    **scalars: float,
+) -> list[Tensor]:
+    """``foreach_op(*lists, **scalars)``: new tensors, or ``op`` on each, written into ``out``.
+
+    The two give the same values bit for bit (on a CPU a foreach op runs
+    ``op`` tensor by tensor); ``out`` lets a caller that steps param by
+    param reuse one buffer rather than allocate per param.
+    """
+    if out is None:
+        return list(foreach_op(*lists, **scalars))
+    for target, *operands in zip(out, *lists, strict=True):
+        op(*operands, **scalars, out=target)
+    return out
+
+
+def apply_momentum(
+    buffers: list[Tensor],
+    grads: list[Tensor],
+    rule: MomentumRule,
+    out: list[Tensor] | None = None,
+) -> list[Tensor]:
     """Run ``rule`` on the local shards, one call per device and dtype; the updates, laid out as the buffers.
 
     The element-wise work skips DTensor's per-op dispatch and takes one
@@ -197,6 +225,8 @@ def apply_momentum(buffers: list[Tensor], grads: list[Tensor], rule: MomentumRul
         buffers: Momentum buffers (DTensors or plain), changed in place.
         grads: The gradients, in the buffers' dtype and layout.
         rule: The momentum rule (:data:`MomentumRule`).
+        out: Plain tensors, one per buffer and laid out like its local
+            shard, for updates that are not the buffers; default new ones.
 
     Returns:
         One update per buffer, laid out like it.
@@ -205,7 +235,11 @@ def apply_momentum(buffers: list[Tensor], grads: list[Tensor], rule: MomentumRul
     local_grads = [local_tensor(g) for g in grads]
     updates = list(buffers)
     for indices in by_device_and_dtype(local_buffers):
-        made = rule([local_buffers[i] for i in indices], [local_grads[i] for i in indices])
+        made = rule(
+            [local_buffers[i] for i in indices],
+            [local_grads[i] for i in indices],
+            None if out is None else [out[i] for i in indices],
+        )
         if made is not None:
             for i, update in zip(indices, made, strict=True):
                 updates[i] = shard_like(update, buffers[i])
@@ -213,7 +247,11 @@ def apply_momentum(buffers: list[Tensor], grads: list[Tensor], rule: MomentumRul
 
 
 def momentum_updates(
-    buffers: list[Tensor], grads: list[Tensor], momentum: float, nesterov: bool
+    buffers: list[Tensor],
+    grads: list[Tensor],
+    momentum: float,
+    nesterov: bool,
+    out: list[Tensor] | None = None,
 ) -> list[Tensor]:
     """Step the momentum buffers in place and return the updates to transform (torch's rule).
 
@@ -226,13 +264,20 @@ def momentum_updates(
         grads: The gradients, in the buffers' dtype and layout.
         momentum: The momentum factor.
         nesterov: Return the look-ahead instead of the buffers.
+        out: Where the look-ahead goes (see :func:`apply_momentum`).
 
     Returns:
         One update per buffer, laid out like it.
     """
 
-    def lerp(local_buffers: list[Tensor], local_grads: list[Tensor]) -> list[Tensor] | None:
+    def lerp(
+        local_buffers: list[Tensor], local_grads: list[Tensor], into: list[Tensor] | None
+    ) -> list[Tensor] | None:
         torch._foreach_lerp_(local_buffers, local_grads, 1 - momentum)
-        return list(torch._foreach_lerp(local_grads, local_buffers, momentum)) if nesterov else None
+        if not nesterov:
+            return None
+        return new_or_into(
+            into, torch._foreach_lerp, torch.lerp, local_grads, local_buffers, weight=momentum
+        )
 
-    return apply_momentum(buffers, grads, lerp)
+    return apply_momentum(buffers, grads, lerp, out)

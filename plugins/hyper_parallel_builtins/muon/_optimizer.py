@@ -27,7 +27,7 @@ from hyper_parallel_builtins.muon._extensions import (
     head_wise_dims,
     param_names,
 )
-from hyper_parallel_builtins.muon._matrices import matrix_shape, need
+from hyper_parallel_builtins.muon._matrices import matrix_shape, need, row_heights
 from hyper_parallel_builtins.muon._options import (
     HYPER_PARALLEL_LR,
     TORCH_LR,
@@ -332,38 +332,75 @@ class Muon(MatrixOptimizer):
         lr = group["lr"]
         lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
 
-        def updates(positions: list[int]) -> list[Tensor]:
+        def updates(positions: list[int], out: list[Tensor] | None = None) -> list[Tensor]:
             return momentum_step(
                 group,
                 [buffers[i] for i in positions],
                 [grads[i] for i in positions],
                 self.momentum_update_fn,
+                out,
             )
 
-        orthogonal = self._orthogonalize(updates, buffers, params, group, lr)
         local_params = [local_tensor(p) for p in params]
-        foreach_groups = by_device_and_dtype(local_params)
         decay = 1 - lr * group["weight_decay"]
-        if decay != 1:
-            for indices in foreach_groups:
-                torch._foreach_mul_([local_params[i] for i in indices], decay)
         alpha = 1.0 if group["apply_lr_in_update"] else -lr
-        for indices in foreach_groups:
-            torch._foreach_add_(
-                [local_params[i] for i in indices],
-                [local_tensor(orthogonal[i]) for i in indices],
-                alpha=alpha,
-            )
+        transform = BlockTransform(
+            group,
+            lr,
+            _names_of(params, group),
+            zeropower_fn=self.zeropower_fn,
+            reshape_fn=self.reshape_fn,
+            ns_transform_fn=self.ns_transform_fn,
+            env_dtype=self.env_ns_dtype,
+            workspace=self.workspace,
+        )
+        if self._streams(transform, params, group):
+
+            def apply(i: int, update: Tensor) -> None:
+                if decay != 1:
+                    local_params[i].mul_(decay)
+                local_params[i].add_(update, alpha=alpha)
+
+            transform.stream(buffers, updates, apply)
+        else:
+            orthogonal = self._orthogonalize(transform, updates, buffers, params, group)
+            for indices in by_device_and_dtype(local_params):
+                mine = [local_params[i] for i in indices]
+                if decay != 1:
+                    torch._foreach_mul_(mine, decay)
+                torch._foreach_add_(
+                    mine, [local_tensor(orthogonal[i]) for i in indices], alpha=alpha
+                )
         if self.post_update_fn is not None:
             self._post_update(params, local_params, group, lr)
 
+    def _streams(
+        self, transform: BlockTransform, params: list[Tensor], group: dict[str, Any]
+    ) -> bool:
+        """Whether ``group`` steps param by param (:meth:`BlockTransform.stream`).
+
+        It does where its backend holds every param whole in this process and
+        nothing asks for more than whole matrices: no ``zeropower_fn``,
+        ``momentum_update_fn`` (called once with the group's lists), keyed
+        callables, head blocks or ``split_rows``.
+        """
+        return (
+            self.sharding_backend(group).holds_whole
+            and self.zeropower_fn is None
+            and self.momentum_update_fn is None
+            and not transform.keyed
+            and all(
+                row_heights(p.shape, group, self._head_dim_of(p, group)) is None for p in params
+            )
+        )
+
     def _orthogonalize(
         self,
+        transform: BlockTransform,
         prepare: PrepareFn,
         layouts: list[Tensor],
         params: list[Tensor],
         group: dict[str, Any],
-        lr: float,
     ) -> list[Tensor]:
         """Newton-Schulz of every update in ``group``, scaled by each block's factor.
 
@@ -378,17 +415,6 @@ class Muon(MatrixOptimizer):
         Returns:
             The scaled, orthogonalized updates, laid out like ``layouts``.
         """
-        names = _names_of(params, group)
-        transform = BlockTransform(
-            group,
-            lr,
-            names,
-            zeropower_fn=self.zeropower_fn,
-            reshape_fn=self.reshape_fn,
-            ns_transform_fn=self.ns_transform_fn,
-            env_dtype=self.env_ns_dtype,
-            workspace=self.workspace,
-        )
         view, device = group["matrix_view"], layouts[0].device
 
         def ns_flops(shape: torch.Size) -> float:
@@ -408,7 +434,7 @@ class Muon(MatrixOptimizer):
             needs,
             cost=ns_flops,
             team=(
-                MuonTeam(group, transform.dtype(layouts[0]), lr, self.workspace)
+                MuonTeam(group, transform.dtype(layouts[0]), transform.lr, self.workspace)
                 if standard
                 else None
             ),

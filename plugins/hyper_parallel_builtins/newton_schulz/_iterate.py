@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from types import MappingProxyType
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from hyper_parallel.core.compat import cpu_kind
 from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelValueError
-from hyper_parallel.core.options import did_you_mean
 from hyper_parallel_builtins.newton_schulz._coefficients import Coefficients
+from hyper_parallel_builtins.newton_schulz._paths import (
+    cpu_path,
+    per_matrix,
+    resolve_ns_method,
+)
 from hyper_parallel_builtins.newton_schulz._workspace import Workspace
-
-#: From this Gram size on, on CPU, each matrix is iterated with 2-D matmuls
-#: rather than one batched matmul, which lets the symmetric products below
-#: skip part of the work. Measured on CPU, Newton-Schulz alone: at Gram
-#: size 512 the per-matrix path took 1.04x the batched time on the d=512
-#: benchmark set in bf16 (up to 1.3x on 8 square matrices in fp32); at 640,
-#: 768 and 1024 mostly 0.72-0.92x of it (bf16 and fp32, 4-6 matrices).
-PER_MATRIX_FROM = 640
 
 #: Rows per block when a symmetric product is built from its lower block
 #: triangle (see :func:`_symmetric_product`). On CPU in bf16, one matrix's
@@ -73,81 +66,6 @@ def norm_divisor(norms: Tensor, eps: float, eps_added: bool) -> Tensor:
     return norms.add_(eps) if eps_added else norms.clamp_min_(eps)
 
 
-@dataclass(frozen=True)
-class CpuPath:
-    """How the standard iteration runs on one CPU kind in one dtype.
-
-    Attributes:
-        per_matrix: Stacks of :data:`PER_MATRIX_FROM` rows or more iterate one
-            matrix at a time with symmetric products (fewer FLOPs, smaller
-            GEMMs); else one batched GEMM per product.
-        poly_transposed: ``a X + P X`` reads ``P`` through its transposed
-            view (``P^T @ X``), else as stored (``P @ X``). ``P`` is
-            symmetric, so the two agree up to rounding, but CPU BLAS picks
-            different kernels for the two layouts.
-        measured: The figure the choice rests on (``docs/benchmarks.md``
-            gives the command), or how it was chosen where none was measured.
-    """
-
-    per_matrix: bool
-    poly_transposed: bool
-    measured: str
-
-
-#: The path of each (CPU kind, dtype) that was measured: Newton-Schulz alone on
-#: the benchmark's transformer sets, 2 threads (``python -m benchmarks --cases
-#: paths``; the table in docs/benchmarks.md), against one batched GEMM per product
-#: reading ``P`` transposed. AVX512-BF16 was measured on an AMX CPU with oneDNN
-#: capped below AMX; the AVX2 figures are older, from a 2-core AVX2 CPU.
-CPU_PATHS: Mapping[tuple[str, torch.dtype], CpuPath] = MappingProxyType(
-    {
-        ("amx", torch.bfloat16): CpuPath(
-            False, False, "batched P @ X 0.85x (d=1024 set), 0.99x (d=512); per matrix 0.97-1.05x"
-        ),
-        ("avx512_bf16", torch.bfloat16): CpuPath(
-            True, False, "d=1024 set: per matrix P @ X 0.79x, P^T @ X 0.80x; batched P @ X 0.99x"
-        ),
-        **dict.fromkeys(
-            [("amx", torch.float32), ("avx512_bf16", torch.float32)],
-            CpuPath(True, True, "d=1024 set: per matrix 0.83-0.86x; batched P @ X 0.99-1.03x"),
-        ),
-        **dict.fromkeys(
-            [("avx2", torch.float32), ("avx2", torch.bfloat16)],
-            CpuPath(True, True, "per matrix 0.72-0.92x at 640-1024 rows; P^T @ X layouts "
-                    "116-120 GFLOP/s against 86 (float32), 11-15 against 1.3 (bf16)"),
-        ),
-    }
-)  # fmt: skip
-
-#: A (CPU kind, dtype) no one has measured: the FLOP count decides. Symmetric
-#: products do fewer FLOPs, and the two layouts do the same FLOPs.
-UNMEASURED_CPU_PATH = CpuPath(
-    per_matrix=True, poly_transposed=True, measured="not measured: the FLOP count"
-)
-
-#: Accelerators (not measured): one batched GEMM per product, a few large
-#: kernels rather than the many small ones of the symmetric products.
-ACCELERATOR_PATH = CpuPath(
-    per_matrix=False, poly_transposed=True, measured="not measured: one batched GEMM per product"
-)
-
-
-def cpu_path(dtype: torch.dtype, device: torch.device, kind: str | None = None) -> CpuPath:
-    """The path the standard iteration takes in ``dtype`` on ``device`` (:data:`CPU_PATHS`).
-
-    ``kind`` is the CPU's (:func:`~hyper_parallel.core.compat.cpu_kind`),
-    read from the machine where not given.
-    """
-    if device.type != "cpu":
-        return ACCELERATOR_PATH
-    return CPU_PATHS.get((kind or cpu_kind(), dtype), UNMEASURED_CPU_PATH)
-
-
-def _per_matrix(x: Tensor, path: CpuPath) -> bool:
-    """Whether the stack ``x`` iterates matrix by matrix (:data:`PER_MATRIX_FROM`)."""
-    return path.per_matrix and x.shape[-2] >= PER_MATRIX_FROM
-
-
 def buffer_like(
     ws: Workspace | None, role: str, x: Tensor, dtype: torch.dtype | None = None
 ) -> Tensor:
@@ -192,7 +110,7 @@ def _iterate_(
     batch, rows, _ = x.shape
     spare = buffer_like(ws, "spare", x)
     path = cpu_path(x.dtype, x.device)
-    if _per_matrix(x, path):
+    if per_matrix(x, path):
         gram = new_buffer(ws, "gram", (rows, rows), x)
         poly = new_buffer(ws, "poly", (rows, rows), x)
         for i in range(batch):
@@ -253,60 +171,15 @@ def _update(current: Tensor, poly: Tensor, a: float, out: Tensor, poly_transpose
     as stored (whichever layout :data:`CPU_PATHS` measured faster). For a
     transposed view the product is formed transposed, ``a X^T + X^T P``,
     straight into the contiguous memory behind it: no transposing copy.
+    (Folding ``a`` into ``P``'s diagonal would save ``baddbmm``'s copy of
+    ``X``, but rounds ``a + P_ii`` in ``P``'s dtype: in bf16 it raised the
+    error against float64 from 0.015-0.022 to 0.025 on 256-1024 rows.)
     """
     product = torch.addmm if current.dim() == 2 else torch.baddbmm
     if _transposed(out):
         product(current.mT, current.mT, poly.mT if poly_transposed else poly, beta=a, out=out.mT)
     else:
         product(current, poly.mT if poly_transposed else poly, current, beta=a, out=out)
-
-
-#: The ways to run the iteration (``method`` of :func:`newton_schulz_batched`).
-NS_METHODS = ("standard", "gram")
-
-#: ``ns_method="auto"`` picks Gram Newton-Schulz for a matrix whose long side
-#: is at least this many times its short side, by device type. Measured on a
-#: 2-core AVX2 CPU, 5 Keller steps, Gram time over standard time, fp32:
-#: 0.89 at aspect 2.7 (6 x 256 x 690), 0.83 (8 x 512 x 1376), 0.75 at 3.5
-#: (8 x 384 x 1344), 0.77 at 4 (8 x 256 x 1024), 0.59 at 8 (4 x 256 x 2048);
-#: bf16: 0.91 at 2.7, 0.80 at 4. Elsewhere (not measured) the FLOP count
-#: decides: Gram does fewer FLOPs from aspect 2 on; the margin is the CPU's.
-GRAM_MIN_ASPECT: Mapping[str, float] = MappingProxyType({"cpu": 2.5})
-
-#: :data:`GRAM_MIN_ASPECT` for device types it does not list.
-GRAM_MIN_ASPECT_DEFAULT = 2.5
-
-#: On a CPU, from :data:`PER_MATRIX_FROM` rows on the standard iteration
-#: multiplies only half of each symmetric product, so Gram pays off later:
-#: fp32, 1.09x the standard time at aspect 2.7 (3 x 1024 x 2752), 0.79x at 4
-#: (2 x 768 x 3072), 0.49x at 4 (2 x 1024 x 4096).
-GRAM_MIN_ASPECT_CPU_LARGE = 3.5
-
-
-def resolve_ns_method(method: str, rows: int, cols: int, device: torch.device) -> str:
-    """``"standard"`` or ``"gram"`` for a ``rows x cols`` matrix on ``device``.
-
-    ``method`` is one of :data:`NS_METHODS` (returned as is) or ``"auto"``:
-    Gram from :data:`GRAM_MIN_ASPECT` of the device type on (on a CPU,
-    :data:`GRAM_MIN_ASPECT_CPU_LARGE` for matrices of
-    :data:`PER_MATRIX_FROM` rows or more).
-
-    Raises:
-        ValueError: an unknown ``method``.
-    """
-    if method in NS_METHODS:
-        return method
-    if method != "auto":
-        choices = ("auto", *NS_METHODS)
-        raise HyperParallelValueError(
-            f"Unknown ns_method {method!r}. Use one of {', '.join(map(repr, choices))}."
-            f"{did_you_mean(str(method), choices)}"
-        )
-    small = min(rows, cols)
-    threshold = GRAM_MIN_ASPECT.get(device.type, GRAM_MIN_ASPECT_DEFAULT)
-    if device.type == "cpu" and small >= PER_MATRIX_FROM:
-        threshold = GRAM_MIN_ASPECT_CPU_LARGE
-    return "gram" if max(rows, cols) >= threshold * small else "standard"
 
 
 #: Gram iterations restart (rebuild ``X`` and its Gram matrix from the long
@@ -474,35 +347,102 @@ def newton_schulz_batched(
             "matrix requires grad. Call it under torch.no_grad() or pass matrix.detach()."
         )
     dtype = first.dtype if dtype is None else dtype
-    tall = rows > cols
-    gram = resolve_ns_method(method, rows, cols, first.device) == "gram"
     stacks = [m.reshape(-1, rows, cols) for m in matrices]
     counts = [s.shape[0] for s in stacks]
-    # One copy does the stacking and the cast. A tall stack iterates through its
-    # transposed view, and every product takes the view as it is and writes the
-    # stack's own layout: on a CPU a transposing cast into bf16 took a quarter of a
-    # 1376 x 512 matrix's Gram iteration, and a transposed result as much again to
-    # cast back and apply.
-    shape = (sum(counts), rows, cols)
-    x = (
-        torch.empty(shape, dtype=dtype, device=first.device)
-        if workspace is None
-        else workspace.take("stack", shape, dtype, first.device)
+    # One copy does the stacking and the cast.
+    x = new_stack((sum(counts), rows, cols), dtype, first.device, workspace, method)
+    for part, stack in zip(x.split(counts), stacks, strict=True):
+        stack_into(part, stack, workspace)
+    result = newton_schulz_stack_(
+        x, coefficients, eps=eps, eps_added=eps_added, method=method, workspace=workspace
     )
-    start = 0
-    for stack, count in zip(stacks, counts, strict=True):
-        x[start : start + count].copy_(stack)
-        start += count
-    work = x.mT if tall else x
-    result = (_iterate_gram_ if gram else _iterate_)(work, coefficients, eps, eps_added, workspace)
-    if tall:
-        result = result.mT
     out: list[Tensor] = []
     start = 0
     for matrix, count in zip(matrices, counts, strict=True):
         out.append(result[start : start + count].reshape(matrix.shape))
         start += count
     return out
+
+
+def new_stack(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    workspace: Workspace | None,
+    method: str = "standard",
+) -> Tensor:
+    """An uninitialised ``(batch, rows, cols)`` stack to fill and hand to :func:`newton_schulz_stack_`.
+
+    Fill it with :func:`stack_into`. Tall matrices that the standard
+    iteration (``method`` as in :func:`newton_schulz_batched`) will run are
+    laid out transposed where :attr:`CpuPath.tall_transposed` says so. With a
+    ``workspace``, its ``"stack"`` buffer (the same one call after call);
+    else a new tensor.
+    """
+    batch, rows, cols = shape
+    device = torch.device(device)
+    transposed = (
+        rows > cols
+        and cpu_path(dtype, device).tall_transposed
+        and resolve_ns_method(method, rows, cols, device) == "standard"
+    )
+    layout = (batch, cols, rows) if transposed else (batch, rows, cols)
+    made = (
+        torch.empty(layout, dtype=dtype, device=device)
+        if workspace is None
+        else workspace.take("stack", layout, dtype, device)
+    )
+    return made.mT if transposed else made
+
+
+def stack_into(part: Tensor, matrices: Tensor, workspace: Workspace | None = None) -> None:
+    """Copy (and cast) ``matrices`` into ``part`` of a stack from :func:`new_stack`.
+
+    Into a transposed layout it casts first (into the workspace's ``"cast"``
+    buffer), then copies matrix by matrix into the contiguous memory behind
+    ``part``: torch transposes fast only 2-D tensors of one dtype. On an AMX
+    CPU, a 2752 x 1024 float32 matrix into bf16 took 2.1 ms so, against
+    8.4 ms for one transposing cast and 9.6 ms for a copy of the 3-D slice.
+    """
+    if not _transposed(part):
+        part.copy_(matrices)
+        return
+    if matrices.dtype != part.dtype:
+        matrices = buffer_like(workspace, "cast", matrices, part.dtype).copy_(matrices)
+    for target, source in zip(part.mT, matrices.mT, strict=True):
+        target.copy_(source)
+
+
+def newton_schulz_stack_(
+    x: Tensor,
+    coefficients: Sequence[Coefficients],
+    *,
+    eps: float = 1e-7,
+    eps_added: bool = False,
+    method: str = "standard",
+    workspace: Workspace | None = None,
+) -> Tensor:
+    """Orthogonalize each matrix of the stack ``x`` (batch, rows, cols), overwriting ``x``.
+
+    The work of :func:`newton_schulz_batched` once its matrices are stacked:
+    a caller that makes its matrices one by one (Muon's momentum, param by
+    param) writes each into a stack from :func:`new_stack` and frees it,
+    rather than holding them all. A tall stack iterates through its
+    transposed view: every product takes the view as it is and writes the
+    stack's own layout (on a CPU, a transposing cast into bf16 took a quarter
+    of a 1376 x 512 matrix's Gram iteration).
+
+    Returns:
+        The results, laid out as ``x``: ``x`` itself or another stack
+        (with a ``workspace``, one of its buffers, valid until its next call
+        on this shape).
+    """
+    rows, cols = x.shape[-2:]
+    tall = rows > cols
+    gram = resolve_ns_method(method, rows, cols, x.device) == "gram"
+    work = x.mT if tall else x
+    result = (_iterate_gram_ if gram else _iterate_)(work, coefficients, eps, eps_added, workspace)
+    return result.mT if tall else result
 
 
 def newton_schulz(

@@ -1,0 +1,161 @@
+"""Which path the iteration takes where: per matrix or batched, layouts, standard or Gram.
+
+Every choice rests on a figure measured on one kind of CPU (the tables
+below; ``python -m benchmarks --cases paths`` and ``--cases gram`` reproduce
+them), and a kind or device no one has measured falls back to the FLOP
+count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+from torch import Tensor
+
+from hyper_parallel.core.compat import cpu_kind
+from hyper_parallel.core.errors import HyperParallelValueError
+from hyper_parallel.core.options import did_you_mean
+
+#: From this Gram size on, on CPU, each matrix is iterated with 2-D matmuls
+#: rather than one batched matmul, which lets the symmetric products below
+#: skip part of the work. Measured on CPU, Newton-Schulz alone: at Gram
+#: size 512 the per-matrix path took 1.04x the batched time on the d=512
+#: benchmark set in bf16 (up to 1.3x on 8 square matrices in fp32); at 640,
+#: 768 and 1024 mostly 0.72-0.92x of it (bf16 and fp32, 4-6 matrices).
+PER_MATRIX_FROM = 640
+
+
+@dataclass(frozen=True)
+class CpuPath:
+    """How the standard iteration runs on one CPU kind in one dtype.
+
+    Attributes:
+        per_matrix: Stacks of :data:`PER_MATRIX_FROM` rows or more iterate one
+            matrix at a time with symmetric products (fewer FLOPs, smaller
+            GEMMs); else one batched GEMM per product.
+        poly_transposed: ``a X + P X`` reads ``P`` through its transposed
+            view (``P^T @ X``), else as stored (``P @ X``). ``P`` is
+            symmetric, so the two agree up to rounding, but CPU BLAS picks
+            different kernels for the two layouts.
+        measured: The figure the choice rests on (``docs/benchmarks.md``
+            gives the command), or how it was chosen where none was measured.
+        tall_transposed: A stack of tall matrices is laid out transposed
+            (:func:`new_stack`), so the iteration on their wide transposes
+            reads contiguous operands; else it reads the stack through a
+            transposed view, and filling and reading it need no transposing
+            copy.
+    """
+
+    per_matrix: bool
+    poly_transposed: bool
+    measured: str
+    tall_transposed: bool = False
+
+
+#: The path of each (CPU kind, dtype) that was measured: Newton-Schulz alone on
+#: the benchmark's transformer sets, 2 threads (``python -m benchmarks --cases
+#: paths``; the table in docs/benchmarks.md), against one batched GEMM per product
+#: reading ``P`` transposed. AVX512-BF16 was measured on an AMX CPU with oneDNN
+#: capped below AMX; the AVX2 figures are older, from a 2-core AVX2 CPU.
+CPU_PATHS: Mapping[tuple[str, torch.dtype], CpuPath] = MappingProxyType(
+    {
+        ("amx", torch.bfloat16): CpuPath(
+            False,
+            False,
+            "batched P @ X 0.85x (d=1024 set), 0.99x (d=512); per matrix 0.97-1.05x; "
+            "X X^T of a transposed view 1277-1432 GFLOP/s against 2239-2410 contiguous",
+            tall_transposed=True,
+        ),
+        ("avx512_bf16", torch.bfloat16): CpuPath(
+            True, False, "d=1024 set: per matrix P @ X 0.79x, P^T @ X 0.80x; batched P @ X 0.99x"
+        ),
+        **dict.fromkeys(
+            [("amx", torch.float32), ("avx512_bf16", torch.float32)],
+            CpuPath(True, True, "d=1024 set: per matrix 0.83-0.86x; batched P @ X 0.99-1.03x"),
+        ),
+        **dict.fromkeys(
+            [("avx2", torch.float32), ("avx2", torch.bfloat16)],
+            CpuPath(True, True, "per matrix 0.72-0.92x at 640-1024 rows; P^T @ X layouts "
+                    "116-120 GFLOP/s against 86 (float32), 11-15 against 1.3 (bf16)"),
+        ),
+    }
+)  # fmt: skip
+
+#: A (CPU kind, dtype) no one has measured: the FLOP count decides. Symmetric
+#: products do fewer FLOPs, and the two layouts do the same FLOPs.
+UNMEASURED_CPU_PATH = CpuPath(
+    per_matrix=True, poly_transposed=True, measured="not measured: the FLOP count"
+)
+
+#: Accelerators (not measured): one batched GEMM per product, a few large
+#: kernels rather than the many small ones of the symmetric products.
+ACCELERATOR_PATH = CpuPath(
+    per_matrix=False, poly_transposed=True, measured="not measured: one batched GEMM per product"
+)
+
+
+def cpu_path(dtype: torch.dtype, device: torch.device, kind: str | None = None) -> CpuPath:
+    """The path the standard iteration takes in ``dtype`` on ``device`` (:data:`CPU_PATHS`).
+
+    ``kind`` is the CPU's (:func:`~hyper_parallel.core.compat.cpu_kind`),
+    read from the machine where not given.
+    """
+    if device.type != "cpu":
+        return ACCELERATOR_PATH
+    return CPU_PATHS.get((kind or cpu_kind(), dtype), UNMEASURED_CPU_PATH)
+
+
+def per_matrix(x: Tensor, path: CpuPath) -> bool:
+    """Whether the stack ``x`` iterates matrix by matrix (:data:`PER_MATRIX_FROM`)."""
+    return path.per_matrix and x.shape[-2] >= PER_MATRIX_FROM
+
+
+#: The ways to run the iteration (``method`` of :func:`newton_schulz_batched`).
+NS_METHODS = ("standard", "gram")
+
+#: ``ns_method="auto"`` picks Gram Newton-Schulz for a matrix whose long side
+#: is at least this many times its short side, by device type. Measured on a
+#: 2-core AVX2 CPU, 5 Keller steps, Gram time over standard time, fp32:
+#: 0.89 at aspect 2.7 (6 x 256 x 690), 0.83 (8 x 512 x 1376), 0.75 at 3.5
+#: (8 x 384 x 1344), 0.77 at 4 (8 x 256 x 1024), 0.59 at 8 (4 x 256 x 2048);
+#: bf16: 0.91 at 2.7, 0.80 at 4. Elsewhere (not measured) the FLOP count
+#: decides: Gram does fewer FLOPs from aspect 2 on; the margin is the CPU's.
+GRAM_MIN_ASPECT: Mapping[str, float] = MappingProxyType({"cpu": 2.5})
+
+#: :data:`GRAM_MIN_ASPECT` for device types it does not list.
+GRAM_MIN_ASPECT_DEFAULT = 2.5
+
+#: On a CPU, from :data:`PER_MATRIX_FROM` rows on the standard iteration
+#: multiplies only half of each symmetric product, so Gram pays off later:
+#: fp32, 1.09x the standard time at aspect 2.7 (3 x 1024 x 2752), 0.79x at 4
+#: (2 x 768 x 3072), 0.49x at 4 (2 x 1024 x 4096).
+GRAM_MIN_ASPECT_CPU_LARGE = 3.5
+
+
+def resolve_ns_method(method: str, rows: int, cols: int, device: torch.device) -> str:
+    """``"standard"`` or ``"gram"`` for a ``rows x cols`` matrix on ``device``.
+
+    ``method`` is one of :data:`NS_METHODS` (returned as is) or ``"auto"``:
+    Gram from :data:`GRAM_MIN_ASPECT` of the device type on (on a CPU,
+    :data:`GRAM_MIN_ASPECT_CPU_LARGE` for matrices of
+    :data:`PER_MATRIX_FROM` rows or more).
+
+    Raises:
+        ValueError: an unknown ``method``.
+    """
+    if method in NS_METHODS:
+        return method
+    if method != "auto":
+        choices = ("auto", *NS_METHODS)
+        raise HyperParallelValueError(
+            f"Unknown ns_method {method!r}. Use one of {', '.join(map(repr, choices))}."
+            f"{did_you_mean(str(method), choices)}"
+        )
+    small = min(rows, cols)
+    threshold = GRAM_MIN_ASPECT.get(device.type, GRAM_MIN_ASPECT_DEFAULT)
+    if device.type == "cpu" and small >= PER_MATRIX_FROM:
+        threshold = GRAM_MIN_ASPECT_CPU_LARGE
+    return "gram" if max(rows, cols) >= threshold * small else "standard"
