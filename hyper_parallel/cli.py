@@ -114,6 +114,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0
 
 
+def _is_symlink_loop(path: Any) -> bool:
+    """Whether following ``path`` (a ``Path``) fails because its links lead round in a loop."""
+    import errno
+
+    try:
+        path.stat()
+    except OSError as exc:
+        return exc.errno == errno.ELOOP
+    return False
+
+
 def _cmd_checkpoint_verify(args: argparse.Namespace) -> int:
     """One line per checkpoint at or under ``args.path``; 1 if any is corrupt."""
     from pathlib import Path
@@ -122,6 +133,11 @@ def _cmd_checkpoint_verify(args: argparse.Namespace) -> int:
 
     root = Path(args.path)
     if not root.exists():
+        if root.is_symlink() and _is_symlink_loop(root):
+            _fail(
+                f"checkpoint verify: {root} is a symlink loop (following it leads back to "
+                "itself); point it at a checkpoint or a folder of them"
+            )
         _fail(f"checkpoint verify: {root} does not exist; give a checkpoint or a folder of them")
     found = find_checkpoints(root)
     if not found:

@@ -157,6 +157,12 @@ def test_verify_cli_reports_each_checkpoint_and_exits_1_on_corruption(
         main(["checkpoint", "verify", str(tmp_path / "nowhere")])
     assert exited.value.code == 2
     assert "does not exist" in capsys.readouterr().err
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(SystemExit) as exited:
+        main(["checkpoint", "verify", str(loop)])
+    assert exited.value.code == 2
+    assert f"{loop} is a symlink loop" in capsys.readouterr().err
 
 
 # -- async save ----------------------------------------------------------------------

@@ -200,6 +200,47 @@ def test_bad_input_is_one_line_exit_2(
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
 
 
+def test_an_unreadable_data_file_is_one_line_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = tmp_path / "locked.txt"
+    text.write_text("enough text " * 200)
+    real = Path.read_bytes
+
+    def denied(self: Path) -> bytes:  # chmod 000 does not stop root: refuse the read itself
+        if self == text:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--data", str(text), "--out", str(tmp_path / "o"), "--no-progress"])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"hyper-parallel: error: --data {text}: cannot be read (Permission denied); check that "
+        "the file is readable by this user"
+    ]
+
+
+def test_a_run_folder_that_cannot_be_written_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoints = tmp_path / "ckpt"
+    checkpoints.mkdir()
+    (checkpoints / "muon_adamw").write_text("a file where the run's folder would go")
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--checkpoint-dir", str(checkpoints), "--out", str(tmp_path / "o"),
+              "--no-progress", *TINY])  # fmt: skip
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"hyper-parallel: error: --checkpoint-dir {checkpoints / 'muon_adamw'}: is a file; "
+        "give a directory"
+    ]
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
 def test_sharded_train_tears_down_only_the_process_group_it_brought_up(
     tmp_path: Path, torchrun_env: None
 ) -> None:

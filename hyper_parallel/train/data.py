@@ -165,7 +165,7 @@ def load_text_file(
     file, one token per byte.
 
     Raises:
-        DataError: the file is missing, not a file, empty, not UTF-8 text
+        DataError: the file is missing, not a file, unreadable, empty, not UTF-8 text
             (``"char"``), or too short for two splits of ``seq_len + 2`` tokens.
     """
     p = Path(path)
@@ -175,7 +175,13 @@ def load_text_file(
         raise DataError(f"--data {path}: no such file")
     if not p.is_file():
         raise DataError(f"--data {path}: not a regular file")
-    raw = p.read_bytes()
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:  # permission, an I/O error, a FIFO whose writer went away
+        raise DataError(
+            f"--data {path}: cannot be read ({exc.strerror or exc}); check that the file is "
+            "readable by this user"
+        ) from None
     if not raw:
         raise DataError(f"--data {path}: the file is empty")
     if tokenizer == "byte":

@@ -39,7 +39,7 @@ RUN_OUTPUTS = ("metrics.jsonl", "loss_curves.png", "summary.json")
 
 
 def check_paths(config: TrainConfig) -> None:
-    """``--out`` and ``--checkpoint-dir`` are (or can become) writable directories.
+    """``--out``, ``--checkpoint-dir`` and each run's folder in it are (or can become) writable directories.
 
     A ``--out`` that already holds a run is refused unless ``--overwrite``
     (which replaces that run's files) or ``--resume`` (which continues it).
@@ -47,6 +47,8 @@ def check_paths(config: TrainConfig) -> None:
     _check_writable_dir("--out", config.out)
     if config.checkpoint_dir is not None:
         _check_writable_dir("--checkpoint-dir", config.checkpoint_dir)
+        for name in run_names(config):  # each run saves into a folder of its own there
+            _check_writable_dir("--checkpoint-dir", config.checkpoint_dir / run_folder(name))
     if config.out.is_dir() and not (config.overwrite or config.resume):
         held = sorted(p.name for p in config.out.iterdir())
         if held:
