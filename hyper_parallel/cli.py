@@ -103,15 +103,40 @@ def _positive_int(text: str) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from hyper_parallel.train import TrainConfig, train
     from hyper_parallel.train.config import config_fields
+    from hyper_parallel.train.loop import main_thread_preemption
 
     given = {f.name: getattr(args, f.name) for f in config_fields() if f.option.on_command_line}
+    # SIGTERM is preemption for the whole command, from before the model is built; once the
+    # runs stopped for it, the handler stays: a later SIGTERM (torchrun's agent stopping the
+    # other ranks) finds a process already on its way out with 143.
+    preemption = main_thread_preemption()
     try:
-        summary = train(TrainConfig(**given))
+        summary = train(TrainConfig(**given), preemption=preemption)
     except KeyboardInterrupt:  # before the steps began, or while the last files were written
         print("hyper-parallel train: interrupted", file=sys.stderr)
-        return 130
-    interrupted = any(run["interrupted"] for run in summary["runs"].values())
-    return 130 if interrupted else 0
+        return EXIT_INTERRUPTED
+    finally:
+        if preemption is not None and preemption.signal is None:
+            preemption.uninstall()
+    return _exit_code(list(summary["runs"].values()))
+
+
+#: ``hyper-parallel train``'s exit codes beyond 0 and 2 (usage): see docs/faults.md.
+EXIT_SAVE_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED = 1, 130, 143
+
+
+def _exit_code(runs: list[dict[str, Any]]) -> int:
+    """The code of the first run that stopped early (its one-line reason on stderr), else 0."""
+    for run in runs:
+        if run.get("save_error"):
+            if os.environ.get("RANK", "0") == "0":
+                print(f"hyper-parallel train: {run['save_error']}", file=sys.stderr)
+            return EXIT_SAVE_FAILED
+        if run.get("preempted"):
+            return EXIT_PREEMPTED
+        if run["interrupted"]:
+            return EXIT_INTERRUPTED
+    return 0
 
 
 def _is_symlink_loop(path: Any) -> bool:

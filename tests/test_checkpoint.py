@@ -114,10 +114,15 @@ def test_crash_mid_save_keeps_previous_and_retention(
 
     monkeypatch.setattr(_saving, "_replace", crash)
     _train(model, opt, sched, batch, 1)
-    with pytest.raises(OSError, match="disk gone"):
+    with pytest.raises(CheckpointError) as failed:
         manager.save(4, model=model, optimizer=opt, scheduler=sched)
     monkeypatch.undo()
-    assert (tmp_path / ".tmp-step_00000004").exists()
+    assert str(failed.value) == (
+        f"The save of {manager.path_for(4)} failed: OSError: disk gone. The previous "
+        "checkpoint is intact."
+    )
+    assert not (tmp_path / ".tmp-step_00000004").exists()  # a failed save cleans up after itself
+    (tmp_path / ".tmp-step_00000004").mkdir()  # what a killed one leaves
     assert manager.latest() == manager.path_for(3)
     fresh = _build()
     assert manager.load_latest(model=fresh[0], optimizer=fresh[1], scheduler=fresh[2]) == 3
@@ -296,3 +301,16 @@ def _ranks_agree_on_checkpoints(rank: int, world_size: int, root: str) -> None:
 
 def test_ranks_prove_they_share_the_directory_and_load_one_choice(tmp_path: Path) -> None:
     run_distributed(_ranks_agree_on_checkpoints, world_size=2, args=(str(tmp_path),))
+
+
+def test_one_writer_per_folder_and_a_reader_may_look_on(tmp_path: Path) -> None:
+    model, opt, sched = _build()
+    writer = CheckpointManager(tmp_path)
+    writer.save(1, model=model, optimizer=opt, scheduler=sched)
+    reader = CheckpointManager(tmp_path, lock=False)  # loads while the writer lives
+    assert reader.load_latest(model=model, optimizer=opt, scheduler=sched) == 1
+    with pytest.raises(CheckpointError, match="made with lock=False, to load only"):
+        reader.save(2, model=model, optimizer=opt, scheduler=sched)
+    assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on host ")
+    writer.close()
+    assert not (tmp_path / ".lock").exists()  # given back, and its file with it

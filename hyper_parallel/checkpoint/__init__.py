@@ -13,7 +13,8 @@ Layout of ``root`` as written by :class:`CheckpointManager`::
             .metadata, *.distcp # DCP: tensors only (model, optimizer state, fp32 main params)
             hyper_parallel.json # manifest: step, extra, scheduler, group hyperparams,
                                 # and the size and checksum of every other file
-        latest                  # name of the newest complete checkpoint
+        latest                  # name of the newest complete checkpoint (for people:
+                                # loads take the newest step_* directory)
 
 **Saving is atomic.** Everything is written into ``root/.tmp-<name>``; every
 file is fsync'd and checksummed, the manifest is written, and only then does
@@ -45,6 +46,7 @@ from __future__ import annotations
 from hyper_parallel.checkpoint._errors import CheckpointError, CorruptCheckpointError
 from hyper_parallel.checkpoint._load import load, load_latest
 from hyper_parallel.checkpoint._manager import CheckpointManager
+from hyper_parallel.checkpoint._preemption import Preemption
 from hyper_parallel.checkpoint._save import save, wait
 from hyper_parallel.checkpoint._verify import Verified, find_checkpoints, verify
 
@@ -52,6 +54,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CorruptCheckpointError",
+    "Preemption",
     "Verified",
     "find_checkpoints",
     "load",

@@ -10,9 +10,11 @@ from hyper_parallel.core.errors import HyperParallelRuntimeError
 __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
+    "interrupt_in",
     "is_dist",
     "rank",
     "reason",
+    "save_failed",
     "world_size",
 ]
 
@@ -40,6 +42,45 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if is_dist() else 1
+
+
+def interrupt_in(exc: BaseException) -> BaseException | None:
+    """The ``KeyboardInterrupt`` or ``SystemExit`` behind ``exc``, if it is one or wraps one.
+
+    DCP's collectives catch ``BaseException`` and wrap what each rank raised
+    in a ``CheckpointException``; Ctrl-C during a save must still stop the
+    program as Ctrl-C.
+    """
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, (KeyboardInterrupt, SystemExit)):
+            return current
+        if isinstance(current, CheckpointException):
+            pending.extend(inner for inner, _ in current.failures.values())
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return None
+
+
+def save_failed(target: object, exc: BaseException, *, background: bool = False) -> BaseException:
+    """What a failed save of ``target`` raises: the interrupt behind it, else one :class:`CheckpointError`.
+
+    The message names the checkpoint, the cause (``OSError``'s own words: no
+    space left on device, read-only file system, permission denied, ...) and
+    that the previous checkpoint is intact, alike for a save in the caller's
+    thread and one in the background.
+    """
+    interrupt = interrupt_in(exc)
+    if interrupt is not None:
+        return interrupt
+    kind = "asynchronous save" if background else "save"
+    return CheckpointError(
+        f"The {kind} of {target} failed: {reason(exc)}. The previous checkpoint is intact."
+    )
 
 
 def reason(exc: BaseException) -> str:

@@ -12,15 +12,14 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def candidates(root: Path) -> list[Path]:
-    """The checkpoints under ``root`` to try, best first: ``latest``'s, then newest step first."""
-    steps = [path for _, path in sorted(step_dirs(root), reverse=True)]
-    pointer = root / LATEST_FILE
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named in steps:
-            steps.remove(named)
-            steps.insert(0, named)
-    return steps
+    """The checkpoints under ``root`` to try, best first: the newest step first.
+
+    ``latest`` is not consulted: a ``step_<N>`` directory exists only once its
+    save committed (the rename is the commit), so the newest one is the newest
+    save, even when writing ``latest`` after it failed (a full disk) or never
+    happened (a crash between the two).
+    """
+    return [path for _, path in sorted(step_dirs(root), reverse=True)]
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:

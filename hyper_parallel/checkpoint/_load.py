@@ -200,8 +200,8 @@ def load_latest(
 ) -> int | None:
     """Load the newest intact checkpoint under ``root``.
 
-    Tries the checkpoint ``latest`` names, then every ``step_*`` directory,
-    newest first. One that fails verification (corrupt, or no checkpoint at
+    Tries every ``step_*`` directory, newest first (whatever ``latest``
+    says: it may lag after a full disk or a crash). One that fails verification (corrupt, or no checkpoint at
     all) is skipped with a :class:`UserWarning` naming it and why; nothing is
     loaded from it.
 

@@ -17,6 +17,7 @@ training step's.
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import shutil
 import sys
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from hyper_parallel.checkpoint._errors import CheckpointError, is_dist, rank, reason
+from hyper_parallel.checkpoint._errors import interrupt_in, is_dist, rank, reason, save_failed
 from hyper_parallel.checkpoint._integrity import checksum_share, fsync_dir, write_manifest
 
 __all__ = ["SaveJob", "Saver", "make_writer", "new_stager", "saver"]
@@ -74,21 +75,55 @@ class SaveJob:
         self.tmp.mkdir()
 
     def run(self, group: dist.ProcessGroup | None) -> None:
-        """Write, checksum and commit, talking over ``group`` (the default one if ``None``)."""
-        dcp_save(
-            self.tensors,
-            storage_writer=make_writer(self.tmp),
-            process_group=group,
-            no_dist=not is_dist(),
-        )
-        files = checksum_share(self.tmp, group)
-        if rank() == 0:
-            write_manifest(self.tmp, self.meta, files)
-            _replace(self.tmp, self.target)
-            if self.on_commit is not None:
-                self.on_commit(self.target)
+        """Write, checksum and commit, talking over ``group`` (the default one if ``None``).
+
+        A failure before the commit (the rename) removes ``tmp`` (rank 0) and
+        raises; the checkpoints already there are untouched.
+        """
+        try:
+            dcp_save(
+                self.tensors,
+                storage_writer=make_writer(self.tmp),
+                process_group=group,
+                no_dist=not is_dist(),
+            )
+            files = checksum_share(self.tmp, group)
+            if rank() == 0:
+                write_manifest(self.tmp, self.meta, files)
+                _replace(self.tmp, self.target)
+        except BaseException as exc:
+            full = _out_of_space(self.tmp, exc)
+            if rank() == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            if full is not None:
+                raise full from exc
+            raise
+        if rank() == 0 and self.on_commit is not None:
+            self.on_commit(self.target)
         if is_dist():
             dist.barrier(group=group)
+
+
+#: Free bytes under which a write that failed without an ``OSError`` is taken for a full disk.
+_NEARLY_FULL = 1 << 20
+
+
+def _out_of_space(tmp: Path, exc: BaseException) -> OSError | None:
+    """An ``ENOSPC`` error for a failure that a full disk caused but does not say so, else ``None``.
+
+    torch's writer reports a short write as ``RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos``; read before the partial files go,
+    the file system's free space names the cause.
+    """
+    if isinstance(exc, OSError) or interrupt_in(exc) is not None:
+        return None
+    try:
+        free = shutil.disk_usage(tmp).free
+    except OSError:
+        return None
+    if free >= _NEARLY_FULL:
+        return None
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({free} bytes free)", str(tmp))
 
 
 def _replace(tmp: Path, target: Path) -> None:
@@ -147,7 +182,10 @@ class Saver:
         if is_dist():
             dist.barrier()
         if not background:
-            job.run(None)
+            try:
+                job.run(None)
+            except BaseException as exc:
+                raise save_failed(job.target, exc) from exc
             return
         owned = None
         if stager is None:
@@ -197,13 +235,23 @@ class Saver:
         if self._thread is not None:
             self._thread.join()
             self._thread = self._running = None
+        self._raise_failure()
+
+    def check(self) -> None:
+        """Raise the failure of a background save that has ended; never waits.
+
+        Raises:
+            CheckpointError: a background save failed (the same error
+                :meth:`wait` raises, raised once).
+        """
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def _raise_failure(self) -> None:
         if self._failure is not None:
             target, exc = self._failure
             self._failure = None
-            raise CheckpointError(
-                f"The asynchronous save of {target} failed: {reason(exc)}. The previous "
-                "checkpoint is intact."
-            ) from exc
+            raise save_failed(target, exc, background=True) from exc
 
     def _report_at_exit(self) -> None:
         # the interpreter joined the (non-daemon) thread before atexit runs

@@ -15,8 +15,9 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from hyper_parallel.checkpoint._errors import CheckpointError, is_dist, rank, world_size
+from hyper_parallel.checkpoint._lock import hold
 
-__all__ = ["agreed", "check_shared"]
+__all__ = ["agreed", "check_shared", "lock_for_rank_0"]
 
 T = TypeVar("T")
 
@@ -63,6 +64,23 @@ def check_shared(root: Path) -> None:
             "all ranks share (a shared file system), not a disk local to each node."
         )
     _SHARED.add((str(root), world_size()))
+
+
+def lock_for_rank_0(root: Path) -> None:
+    """Rank 0 holds ``root``'s writer lock (:mod:`._lock`); every rank raises alike if it cannot.
+
+    Raises:
+        CheckpointError: another process holds the lock; the message names it.
+    """
+    refusal = None
+    if rank() == 0:
+        try:
+            hold(root)
+        except CheckpointError as exc:
+            refusal = str(exc)
+    refusal = _from_rank_0(refusal)
+    if refusal is not None:
+        raise CheckpointError(refusal)
 
 
 def agreed(names: list[str]) -> list[str]:

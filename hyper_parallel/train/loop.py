@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -18,12 +19,13 @@ from hyper_parallel.train.preflight import (
     check_memory,
     check_paths,
     check_resume,
+    run_folders_locked,
     run_names,
 )
 from hyper_parallel.train.run import Metrics, RunResult, replace_atomically, run_one
 
 if TYPE_CHECKING:
-    from hyper_parallel.checkpoint import Verified
+    from hyper_parallel.checkpoint import Preemption, Verified
 
 __all__ = ["MUON_ADAMW", "RunResult", "TrainConfig", "TrainError", "steps_to_reach", "train"]
 
@@ -60,6 +62,8 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
             "seconds": round(r.seconds, 2),
             "tokens_per_s": round(r.tokens_per_s),
             "interrupted": r.interrupted,
+            "preempted": r.preempted,
+            "save_error": r.save_error,
             "skipped_steps": r.skipped,
             "resumed_from_step": r.resumed_from,
             "label": r.label,
@@ -72,7 +76,7 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
         "runs": runs,
     }
-    if len(results) == 2 and not any(r.interrupted for r in results):
+    if len(results) == 2 and not any(r.interrupted or r.preempted for r in results):
         ours, baseline = results
         target = baseline.final_val_loss
         if target is not None:
@@ -90,6 +94,10 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
 def _run_line(label: str, run: dict[str, Any]) -> str:
     """One run of the summary: its steps, time, speed and final losses."""
     flag = "  (interrupted)" if run["interrupted"] else ""
+    if run.get("preempted"):
+        flag = "  (stopped by SIGTERM)"
+    elif run.get("save_error"):
+        flag = "  (stopped: a checkpoint could not be saved)"
     val = run["final_val_loss"]
     if run["final_train_loss"] is None or val is None:
         return f"{label:>14}: {run['steps']} steps{flag}"
@@ -129,7 +137,12 @@ def _print_summary(summary: dict[str, Any], out: Path, echo: Callable[[str], Non
     echo(f"wrote {', '.join(str(out / n) for n in RUN_OUTPUTS if (out / n).exists())}")
 
 
-def train(config: TrainConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
+def train(
+    config: TrainConfig,
+    *,
+    echo: Callable[[str], None] = print,
+    preemption: Preemption | None = None,
+) -> dict[str, Any]:
     """Run ``config`` (and its ``--compare`` run); write metrics, plot and summary to ``config.out``.
 
     Returns:
@@ -139,17 +152,34 @@ def train(config: TrainConfig, *, echo: Callable[[str], None] = print) -> dict[s
         TrainError, DataError: an unusable option or input.
         KeyboardInterrupt: never; Ctrl-C ends the current run early, and what
             was written so far is kept (``summary["runs"][...]["interrupted"]``).
+            SIGTERM ends it after the current step, saved there with
+            ``--checkpoint-dir`` (``"preempted"``), and a checkpoint that
+            cannot be written ends it too (``"save_error"``, the message);
+            the summary and plot are written in every case. ``preemption``
+            is the caller's, installed already; by default ``train``
+            catches SIGTERM itself while its runs train.
     """
     config.validate()
     check_paths(config)
     data = load_data(config)
+    with run_folders_locked(config):
+        return _train_checked(config, data, echo, preemption)
+
+
+def _train_checked(
+    config: TrainConfig,
+    data: TokenizedText,
+    echo: Callable[[str], None],
+    preemption: Preemption | None,
+) -> dict[str, Any]:
+    """:func:`train` once its paths are checked, its data loaded and its folders locked."""
     resumed = check_resume(config, data)
     if _finished(config, resumed):
         return _left_as_it_was(config, resumed)
     check_memory(config, data.vocab_size)
     group_before = _process_group_initialized()
     try:
-        return _train_placed(config, data, place(config), echo)
+        return _train_placed(config, data, place(config), echo, preemption)
     finally:
         # A process group this call brought up is torn down here, not left to the
         # interpreter's exit, where gloo's threads can abort a run that has finished.
@@ -188,7 +218,11 @@ def _process_group_initialized() -> bool:
 
 
 def _train_placed(
-    config: TrainConfig, data: TokenizedText, placement: Placement, echo: Callable[[str], None]
+    config: TrainConfig,
+    data: TokenizedText,
+    placement: Placement,
+    echo: Callable[[str], None],
+    preemption: Preemption | None,
 ) -> dict[str, Any]:
     """:func:`train` once the data is loaded and this process's place is set up."""
     main = placement.is_main
@@ -205,13 +239,17 @@ def _train_placed(
     progress = _progress_factory() if config.progress and main else None
     metrics = Metrics(config.out / "metrics.jsonl" if main else None, append=config.resume)
     results: list[RunResult] = []
+    own = main_thread_preemption() if preemption is None else None
     try:
         for name in run_names(config):
-            results.append(run_one(config, name, data, metrics, progress, placement))
-            if results[-1].interrupted:
+            result = run_one(config, name, data, metrics, progress, placement, preemption or own)
+            results.append(result)
+            if result.interrupted or result.preempted or result.save_error:
                 break
     finally:
         metrics.close()
+        if own is not None:
+            own.uninstall()
     summary = _summary(config, data, results)
     if placement.mesh is not None:
         summary["mesh"] = {
@@ -221,7 +259,26 @@ def _train_placed(
     if main:
         _write_outputs(results, summary, config.out, data.source)
         _print_summary(summary, config.out, echo)
+    if _process_group_initialized():
+        import torch.distributed as dist
+
+        # No rank leaves before rank 0 has written: torchrun's agent stops the others as
+        # soon as one exits non-zero (after a preemption, every rank exits 143).
+        dist.barrier()
     return summary
+
+
+def main_thread_preemption() -> Preemption | None:
+    """SIGTERM caught from now on (:class:`~hyper_parallel.checkpoint.Preemption`), from the main thread.
+
+    Called from another thread (an embedding program's worker), Python can
+    install no handler: ``None``, and SIGTERM does what the program set up.
+    """
+    from hyper_parallel.checkpoint import Preemption
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return Preemption().install()
 
 
 def _write_outputs(

@@ -7,8 +7,10 @@ or anything is written (the command line prints it as one line, exit 2).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +30,7 @@ __all__ = [
     "launched_world_size",
     "resume_record",
     "run_folder",
+    "run_folders_locked",
     "run_names",
 ]
 
@@ -77,6 +80,32 @@ def _check_writable_dir(flag: str, path: Path) -> None:
         ) from None
 
 
+@contextlib.contextmanager
+def run_folders_locked(config: TrainConfig) -> Iterator[None]:
+    """Hold the writer lock of each run's folder under ``--checkpoint-dir`` (rank 0) while inside.
+
+    A second run on the same folders stops here, before anything is written;
+    a run whose holder died takes the folder (the kernel dropped its lock).
+    """
+    from hyper_parallel.checkpoint import CheckpointError
+    from hyper_parallel.checkpoint._lock import hold, release
+
+    held: list[Path] = []
+    try:
+        if config.checkpoint_dir is not None and os.environ.get("RANK", "0") == "0":
+            for name in run_names(config):
+                folder = config.checkpoint_dir / run_folder(name)
+                try:
+                    hold(folder)
+                except CheckpointError as exc:
+                    raise TrainError(f"--checkpoint-dir {config.checkpoint_dir}: {exc}") from None
+                held.append(folder)
+        yield
+    finally:
+        for folder in held:
+            release(folder)
+
+
 # -- resume -------------------------------------------------------------------------
 
 #: The record keys that say whether two runs see the same data (``--data`` may move).
@@ -123,7 +152,8 @@ def check_resume(config: TrainConfig, data: TokenizedText) -> dict[str, Verified
 
     found: dict[str, Verified | None] = {}
     for name in run_names(config):
-        newest = CheckpointManager(config.checkpoint_dir / run_folder(name)).newest_intact()
+        folder = config.checkpoint_dir / run_folder(name)
+        newest = CheckpointManager(folder, lock=False).newest_intact()  # it only reads
         found[name] = newest
         made = newest.extra.get("train") if newest is not None else None
         if newest is not None and isinstance(made, dict):

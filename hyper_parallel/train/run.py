@@ -29,7 +29,7 @@ from hyper_parallel.train.placement import Placement
 from hyper_parallel.train.preflight import resume_record, run_folder
 
 if TYPE_CHECKING:
-    from hyper_parallel.checkpoint import CheckpointManager
+    from hyper_parallel.checkpoint import CheckpointManager, Preemption
 
 __all__ = ["Metrics", "RunResult", "build_optimizer", "run_one"]
 
@@ -47,7 +47,9 @@ class RunResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0
     tokens_per_s: float = 0.0
-    interrupted: bool = False
+    interrupted: bool = False  # Ctrl-C
+    preempted: bool = False  # SIGTERM: stopped after a step, saved there with --checkpoint-dir
+    save_error: str | None = None  # a checkpoint could not be written: the run stopped
     skipped: list[int] = field(default_factory=list)  # steps skipped for non-finite gradients
     resumed_from: int = 0  # the checkpoint's step; seconds and tokens_per_s count from there
     optimizers: list[str] = field(default_factory=list)  # the sub-optimizers, in step order
@@ -232,6 +234,7 @@ class _Run:
     bar: Any  # a progress bar (tqdm's interface), or None
     throughput: _Throughput
     skipped_in_a_row: int = 0
+    saved_at: int | None = None  # the step of this run's newest save
 
     @classmethod
     def start(
@@ -331,14 +334,21 @@ class _Run:
         if step % config.eval_every == 0 or last:
             self.evaluate(step)
         every = config.checkpoint_every
-        if self.checkpoints is not None and (last or (every and step % every == 0)):
-            self.checkpoints.save(
-                step,
-                model=self.model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                extra=self.record,
-            )
+        if last or (every and step % every == 0):
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        """Save a checkpoint of ``step`` (with ``--checkpoint-dir``), unless one was just saved there."""
+        if self.checkpoints is None or self.saved_at == step:
+            return
+        self.checkpoints.save(
+            step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            extra=self.record,
+        )
+        self.saved_at = step
 
     def _log(self, step: int, loss: float, lrs: dict[str, float]) -> None:
         tps = self.throughput.window()
@@ -461,12 +471,19 @@ def run_one(
     metrics: Metrics,
     progress_factory: Callable[..., Any] | None,
     placement: Placement | None = None,
+    preemption: Preemption | None = None,
 ) -> RunResult:
     """Train a fresh model with optimizer ``name``; every run sees the same init and batches.
 
     Sharded, each rank draws its own batches (the global batch is
-    ``batch_size x world_size``) and only rank 0 writes metrics.
+    ``batch_size x world_size``) and only rank 0 writes metrics. The run
+    stops early, with what it did so far in its result, on Ctrl-C
+    (``interrupted``), on a signal ``preemption`` caught (``preempted``: after
+    the step, saved there) or on a checkpoint that cannot be written
+    (``save_error``; a failed background save is heard of at the next step).
     """
+    from hyper_parallel.checkpoint import CheckpointError
+
     run = _Run.start(config, name, data, metrics, progress_factory, placement or Placement())
     first = run.result.steps_done + 1
     try:
@@ -474,11 +491,24 @@ def run_one(
             run.evaluate(0)
         for step in range(first, config.steps + 1):
             run.step(step)
+            if run.checkpoints is not None:
+                run.checkpoints.check()
+            if preemption is not None and preemption.requested(run.placement.device):
+                run.save(step)
+                run.result.preempted = True
+                break
     except KeyboardInterrupt:
         run.result.interrupted = True
+    except CheckpointError as exc:
+        run.result.save_error = str(exc)
     finally:
         if run.bar is not None:
             run.bar.close()
         if run.checkpoints is not None:
-            run.checkpoints.wait()  # a background save in flight is committed before we go on
+            try:
+                run.checkpoints.wait()  # a background save in flight is committed before we go on
+            except CheckpointError as exc:
+                run.result.save_error = run.result.save_error or str(exc)
+            finally:
+                run.checkpoints.close()  # the folder's lock, for the next run of this process
     return run.finish()

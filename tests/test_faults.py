@@ -1,0 +1,281 @@
+"""Faults while training and saving, with ``hyper-parallel train`` in a process of its own.
+
+Each fault ends the run with its own exit code and one line on stderr (no
+traceback), leaves no ``.tmp-`` directory, keeps the checkpoint before it
+intact, writes the summary, and ``--resume`` then trains on exactly as an
+uninterrupted run does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import TINY_TRAIN_ARGS
+from hyper_parallel.checkpoint import verify
+
+#: Runs the command line with one fault injected: ``python -c DRIVER FAULT AT ARGS...``.
+#: FAULT ``enospc``: the writer of the checkpoint whose path holds AT fails with ENOSPC.
+#: ``SIGINT``/``SIGTERM``: that writer sends the signal to its own process as it starts
+#: writing; ``SIGTERM@step``: sent after step AT (``SIGTERM@step:rank1``: by rank 1 only);
+#: ``wait@step``: the run waits after step AT
+#: until the file ``$RELEASE`` exists. ``none``: no fault.
+DRIVER = """
+import errno, os, signal, sys
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+import hyper_parallel.checkpoint._saving as saving
+import hyper_parallel.train.run as run
+from hyper_parallel.cli import main
+
+fault, at, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+
+class Faulty(FileSystemWriter):
+    def write_data(self, plan, planner):
+        if at in str(self.path):
+            if fault == "enospc":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+            if fault in ("SIGINT", "SIGTERM"):
+                os.kill(os.getpid(), getattr(signal, fault))
+        return super().write_data(plan, planner)
+
+saving.make_writer = Faulty
+if fault == "wait@step":  # hold the run at step AT until the file $RELEASE exists
+    import pathlib, time
+    real_step = run._Run.step
+    def step(self, n):
+        real_step(self, n)
+        if n == int(at):
+            pathlib.Path(os.environ["RELEASE"] + ".waiting").touch()
+            while not os.path.exists(os.environ["RELEASE"]):
+                time.sleep(0.05)
+    run._Run.step = step
+if fault.startswith("SIGTERM@step"):  # "SIGTERM@step:rank1": that rank alone
+    real_step = run._Run.step
+    only = fault.partition(":rank")[2]
+    def step(self, n):
+        real_step(self, n)
+        if n == int(at) and only in ("", os.environ.get("RANK")):
+            os.kill(os.getpid(), signal.SIGTERM)
+    run._Run.step = step
+sys.exit(main(["train", *args]))
+"""
+
+STEPS = 10  # saves at steps 3, 6, 9 and 10
+
+
+def _command(tmp: Path, name: str, fault: str, at: str, *extra: str) -> list[str]:
+    args = ["--steps", str(STEPS), "--eval-every", "1", "--checkpoint-every", "3",
+            "--checkpoint-dir", str(tmp / f"{name}-ckpt"), "--out", str(tmp / name),
+            *TINY_TRAIN_ARGS, *extra]  # fmt: skip
+    return [sys.executable, "-c", DRIVER, fault, at, *args]
+
+
+def _train(tmp: Path, name: str, fault: str = "none", at: str = "-", *extra: str) -> Any:
+    return subprocess.run(
+        _command(tmp, name, fault, at, *extra), capture_output=True, text=True, timeout=300
+    )
+
+
+def _losses(out: Path) -> dict[tuple[str, int], float]:
+    """Every loss the run logged: validation at each step, training every 5."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {(k, r["step"]): r[k] for r in rows for k in ("train_loss", "val_loss") if k in r}
+
+
+def _checked(tmp: Path, name: str, result: Any, code: int, summary_steps: int) -> Path:
+    """The run ended with ``code``, at most one line on stderr, no temp dir, its summary written."""
+    assert result.returncode == code, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    folder = tmp / f"{name}-ckpt" / "muon_adamw"
+    assert not list(folder.glob(".tmp-*"))
+    assert all(verify(p).ok for p in folder.glob("step_*"))
+    summary = json.loads((tmp / name / "summary.json").read_text())
+    assert summary["runs"]["muon+adamw"]["steps"] == summary_steps
+    assert (tmp / name / "loss_curves.png").is_file()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def solo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the run without a fault wrote (``solo``, ``solo-ckpt``)."""
+    tmp = tmp_path_factory.mktemp("solo")
+    result = _train(tmp, "solo")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def solo(solo_run: Path) -> dict[tuple[str, int], float]:
+    """The losses of the run without a fault."""
+    return _losses(solo_run / "solo")
+
+
+def _resumes_as_solo(tmp: Path, name: str, solo: dict[tuple[str, int], float]) -> None:
+    result = _train(tmp, name, "none", "-", "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(tmp / name) == solo  # the log is continued: every step as the solo run
+
+
+def test_disk_full_in_a_save_is_one_line_and_the_run_resumes(
+    tmp_path: Path, solo: dict[tuple[str, int], float]
+) -> None:
+    result = _train(tmp_path, "full", "enospc", "step_00000006")
+    folder = _checked(tmp_path, "full", result, 1, 6)
+    assert result.stderr.strip().splitlines() == [
+        f"hyper-parallel train: The save of {folder / 'step_00000006'} failed: OSError: "
+        f"[Errno 28] No space left on device: '{folder / '.tmp-step_00000006'}' (rank 0). "
+        "The previous checkpoint is intact."
+    ]
+    assert sorted(p.name for p in folder.glob("step_*")) == ["step_00000003"]
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert "No space left on device" in summary["runs"]["muon+adamw"]["save_error"]
+    _resumes_as_solo(tmp_path, "full", solo)
+
+
+def test_disk_full_in_an_async_save_is_the_same_error_heard_at_the_next_step(
+    tmp_path: Path,
+) -> None:
+    result = _train(tmp_path, "async", "enospc", "step_00000006", "--checkpoint-async")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("hyper-parallel train: The asynchronous save of ")
+    assert "No space left on device" in line and line.endswith("The previous checkpoint is intact.")
+    steps = json.loads((tmp_path / "async" / "summary.json").read_text())["runs"]["muon+adamw"]
+    assert 6 < steps["steps"] < 9  # heard of before the next save's step
+    assert not list((tmp_path / "async-ckpt" / "muon_adamw").glob(".tmp-*"))
+
+
+def test_ctrl_c_while_a_save_writes_exits_130_and_resumes(
+    tmp_path: Path, solo: dict[tuple[str, int], float]
+) -> None:
+    result = _train(tmp_path, "int", "SIGINT", "step_00000006")
+    folder = _checked(tmp_path, "int", result, 130, 6)
+    assert sorted(p.name for p in folder.glob("step_*")) == ["step_00000003"]  # abandoned
+    _resumes_as_solo(tmp_path, "int", solo)
+
+
+@pytest.mark.parametrize(("fault", "at"), [("SIGTERM", "step_00000006"), ("SIGTERM@step", "4")])
+def test_sigterm_finishes_the_step_saves_it_and_exits_143(
+    tmp_path: Path, solo: dict[tuple[str, int], float], fault: str, at: str
+) -> None:
+    result = _train(tmp_path, "term", fault, at)
+    stopped = 6 if fault == "SIGTERM" else 4
+    folder = _checked(tmp_path, "term", result, 143, stopped)
+    assert result.stderr.strip() == ""
+    assert (folder / f"step_{stopped:08d}").is_dir()  # this step's checkpoint, complete
+    summary = json.loads((tmp_path / "term" / "summary.json").read_text())
+    assert summary["runs"]["muon+adamw"]["preempted"]
+    _resumes_as_solo(tmp_path, "term", solo)
+
+
+def test_a_real_full_file_system(tmp_path: Path) -> None:
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mount)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"this machine does not allow a tmpfs mount: {made.stderr.decode().strip()}")
+    try:
+        args = ["--steps", "20", "--checkpoint-every", "1", "--checkpoint-dir", str(mount),
+                "--out", str(tmp_path / "o"), *TINY_TRAIN_ARGS]  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-m", "hyper_parallel", "train", *args],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 1, result.stderr[-3000:]
+        (line,) = result.stderr.strip().splitlines()
+        assert "No space left on device" in line and line.endswith(
+            "The previous checkpoint is intact."
+        )
+        folder = mount / "muon_adamw"
+        assert not list(folder.glob(".tmp-*"))
+        kept = list(folder.glob("step_*"))
+        assert kept and all(verify(p).ok for p in kept)
+        assert (tmp_path / "o" / "summary.json").is_file()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_second_run_on_one_checkpoint_folder_is_refused_naming_the_first(
+    tmp_path: Path, solo_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = tmp_path / "release"
+    monkeypatch.setenv("RELEASE", str(release))
+    first = subprocess.Popen(
+        _command(tmp_path, "first", "wait@step", "2"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for _ in range(1200):  # the first run is at step 2, holding its folder
+            if Path(f"{release}.waiting").exists() or first.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        folder = tmp_path / "first-ckpt" / "muon_adamw"
+        second = subprocess.run(
+            [*_command(tmp_path, "first", "none", "-")[:-len(TINY_TRAIN_ARGS) - 2],
+             "--out", str(tmp_path / "second"), *TINY_TRAIN_ARGS],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert second.stderr.strip().splitlines() == [
+            f"hyper-parallel: error: --checkpoint-dir {folder.parent}: {folder} is in use by "
+            f"another run (pid {first.pid} on host "
+            f"{socket.gethostname()}); wait for it to end, or save to another directory."
+        ]
+        assert not (tmp_path / "second" / "metrics.jsonl").exists()
+    finally:
+        release.touch()
+        _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    # the first run's checkpoints are the solo run's, byte for byte
+    solo_folder = solo_run / "solo-ckpt" / "muon_adamw"
+    names = sorted(p.relative_to(folder) for p in folder.glob("step_*/*.distcp"))
+    assert names == sorted(p.relative_to(solo_folder) for p in solo_folder.glob("step_*/*.distcp"))
+    for name in names:
+        assert (folder / name).read_bytes() == (solo_folder / name).read_bytes()
+    # and a holder that has died leaves the folder free: the second run takes it
+    taken = _train(tmp_path, "first", "none", "-", "--resume")
+    assert taken.returncode == 0, taken.stderr[-3000:]
+
+
+def test_sigterm_to_one_of_two_ranks_stops_both_after_one_saved_step(tmp_path: Path) -> None:
+    """Under torchrun, one rank's SIGTERM: both stop after the same step, save it once, exit 143."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+
+    def torchrun(name: str, fault: str, at: str, *extra: str) -> Any:
+        args = _command(tmp_path, name, fault, at, "--sharding", "fsdp", *extra)[3:]
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+             "2", str(driver), *args],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    solo = torchrun("solo", "none", "-")
+    assert solo.returncode == 0, solo.stderr[-4000:]
+    stopped = torchrun("term", "SIGTERM@step:rank1", "4")
+    assert stopped.returncode != 0  # the launcher reports its workers' 143
+    assert stopped.stderr.count("exitcode  : 143") == 2, stopped.stderr[-4000:]
+    assert "hyper_parallel/" not in stopped.stderr  # the launcher's own report, no trace of ours
+    folder = tmp_path / "term-ckpt" / "muon_adamw"
+    assert sorted(p.name for p in folder.glob("step_*")) == ["step_00000003", "step_00000004"]
+    assert all(verify(p).ok for p in folder.glob("step_*"))
+    summary = json.loads((tmp_path / "term" / "summary.json").read_text())
+    assert summary["runs"]["muon+adamw"]["steps"] == 4
+    assert summary["runs"]["muon+adamw"]["preempted"]
+    resumed = torchrun("term", "none", "-", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert _losses(tmp_path / "term") == _losses(tmp_path / "solo")
