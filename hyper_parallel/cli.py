@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -106,9 +107,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from hyper_parallel.train.loop import main_thread_preemption
 
     given = {f.name: getattr(args, f.name) for f in config_fields() if f.option.on_command_line}
-    # SIGTERM is preemption for the whole command, from before the model is built; once the
-    # runs stopped for it, the handler stays: a later SIGTERM (torchrun's agent stopping the
-    # other ranks) finds a process already on its way out with 143.
+    # SIGTERM is preemption for the whole command, from before the model is built.
     preemption = main_thread_preemption()
     try:
         summary = train(TrainConfig(**given), preemption=preemption)
@@ -118,6 +117,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     finally:
         if preemption is not None and preemption.signal is None:
             preemption.uninstall()
+        elif preemption is not None:
+            # Stopped for it: a later SIGTERM (torchrun's agent stopping the other ranks once
+            # one exited 143) finds the process on its way out with 143. SIG_IGN, not a Python
+            # handler: the interpreter resets those to the default while it shuts down.
+            for sig in preemption.signals:
+                signal.signal(sig, signal.SIG_IGN)
     return _exit_code(list(summary["runs"].values()))
 
 

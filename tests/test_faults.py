@@ -23,9 +23,10 @@ from conftest import TINY_TRAIN_ARGS
 from hyper_parallel.checkpoint import verify
 
 #: Runs the command line with one fault injected: ``python -c DRIVER FAULT AT ARGS...``.
-#: FAULT ``enospc``: the writer of the checkpoint whose path holds AT fails with ENOSPC.
-#: ``SIGINT``/``SIGTERM``: that writer sends the signal to its own process as it starts
-#: writing; ``SIGTERM@step``: sent after step AT (``SIGTERM@step:rank1``: by rank 1 only);
+#: FAULT ``enospc``/``erofs``: the writer of the checkpoint whose path holds AT fails with
+#: that error. ``SIGINT``/``SIGTERM``: that writer sends the signal to its own process as it
+#: starts writing; ``SIGINT@step``/``SIGTERM@step``: sent after step AT
+#: (``SIGTERM@step:rank1``: by rank 1 only);
 #: ``wait@step``: the run waits after step AT
 #: until the file ``$RELEASE`` exists. ``none``: no fault.
 DRIVER = """
@@ -40,8 +41,9 @@ fault, at, args = sys.argv[1], sys.argv[2], sys.argv[3:]
 class Faulty(FileSystemWriter):
     def write_data(self, plan, planner):
         if at in str(self.path):
-            if fault == "enospc":
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+            if fault in ("enospc", "erofs"):
+                code = getattr(errno, fault.upper())
+                raise OSError(code, os.strerror(code), str(self.path))
             if fault in ("SIGINT", "SIGTERM"):
                 os.kill(os.getpid(), getattr(signal, fault))
         return super().write_data(plan, planner)
@@ -57,13 +59,13 @@ if fault == "wait@step":  # hold the run at step AT until the file $RELEASE exis
             while not os.path.exists(os.environ["RELEASE"]):
                 time.sleep(0.05)
     run._Run.step = step
-if fault.startswith("SIGTERM@step"):  # "SIGTERM@step:rank1": that rank alone
+if "@step" in fault and fault != "wait@step":  # "SIGTERM@step:rank1": that rank alone
     real_step = run._Run.step
-    only = fault.partition(":rank")[2]
+    name, only = fault.partition("@step")[0], fault.partition(":rank")[2]
     def step(self, n):
         real_step(self, n)
         if n == int(at) and only in ("", os.environ.get("RANK")):
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(signal, name))
     run._Run.step = step
 sys.exit(main(["train", *args]))
 """
@@ -140,6 +142,17 @@ def test_disk_full_in_a_save_is_one_line_and_the_run_resumes(
     _resumes_as_solo(tmp_path, "full", solo)
 
 
+def test_a_file_system_turned_read_only_is_one_line_naming_it(tmp_path: Path) -> None:
+    result = _train(tmp_path, "ro", "erofs", "step_00000006")
+    folder = _checked(tmp_path, "ro", result, 1, 6)
+    (line,) = result.stderr.strip().splitlines()
+    assert (
+        f"The save of {folder / 'step_00000006'} failed: OSError: [Errno 30] Read-only file "
+        in line
+    )
+    assert line.endswith("The previous checkpoint is intact.")
+
+
 def test_disk_full_in_an_async_save_is_the_same_error_heard_at_the_next_step(
     tmp_path: Path,
 ) -> None:
@@ -154,12 +167,13 @@ def test_disk_full_in_an_async_save_is_the_same_error_heard_at_the_next_step(
     assert not list((tmp_path / "async-ckpt" / "muon_adamw").glob(".tmp-*"))
 
 
-def test_ctrl_c_while_a_save_writes_exits_130_and_resumes(
-    tmp_path: Path, solo: dict[tuple[str, int], float]
+@pytest.mark.parametrize(("fault", "at"), [("SIGINT", "step_00000006"), ("SIGINT@step", "5")])
+def test_ctrl_c_while_a_save_writes_or_between_steps_exits_130_and_resumes(
+    tmp_path: Path, solo: dict[tuple[str, int], float], fault: str, at: str
 ) -> None:
-    result = _train(tmp_path, "int", "SIGINT", "step_00000006")
-    folder = _checked(tmp_path, "int", result, 130, 6)
-    assert sorted(p.name for p in folder.glob("step_*")) == ["step_00000003"]  # abandoned
+    result = _train(tmp_path, "int", fault, at)
+    folder = _checked(tmp_path, "int", result, 130, 6 if fault == "SIGINT" else 5)
+    assert sorted(p.name for p in folder.glob("step_*")) == ["step_00000003"]  # save abandoned
     _resumes_as_solo(tmp_path, "int", solo)
 
 
