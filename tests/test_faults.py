@@ -154,7 +154,7 @@ def test_a_file_system_turned_read_only_is_one_line_naming_it(tmp_path: Path) ->
 
 
 def test_disk_full_in_an_async_save_is_the_same_error_heard_at_the_next_step(
-    tmp_path: Path,
+    tmp_path: Path, solo: dict[tuple[str, int], float]
 ) -> None:
     result = _train(tmp_path, "async", "enospc", "step_00000006", "--checkpoint-async")
     assert result.returncode == 1, result.stderr[-3000:]
@@ -164,7 +164,41 @@ def test_disk_full_in_an_async_save_is_the_same_error_heard_at_the_next_step(
     assert "No space left on device" in line and line.endswith("The previous checkpoint is intact.")
     steps = json.loads((tmp_path / "async" / "summary.json").read_text())["runs"]["muon+adamw"]
     assert 6 < steps["steps"] < 9  # heard of before the next save's step
-    assert not list((tmp_path / "async-ckpt" / "muon_adamw").glob(".tmp-*"))
+    folder = tmp_path / "async-ckpt" / "muon_adamw"
+    assert not list(folder.glob(".tmp-*"))
+    assert [p.name for p in folder.glob("step_*")] == ["step_00000003"]
+    assert verify(folder / "step_00000003").ok
+    _resumes_as_solo(tmp_path, "async", solo)
+
+
+def test_preemption_in_a_users_loop() -> None:
+    """The API the command line uses: nothing requested until the signal; then the code."""
+    import signal
+    import threading
+
+    from hyper_parallel.checkpoint import Preemption
+    from hyper_parallel.core.errors import HyperParallelRuntimeError
+
+    before = signal.getsignal(signal.SIGTERM)
+    with Preemption() as preemption:
+        assert not preemption.requested() and preemption.exit_code == 0
+        os.kill(os.getpid(), signal.SIGTERM)  # caught: the test process lives on
+        assert preemption.requested() and preemption.signal == signal.SIGTERM
+        assert preemption.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) == before  # given back on leaving
+
+    failures: list[BaseException] = []
+
+    def elsewhere() -> None:
+        try:
+            Preemption().install()
+        except HyperParallelRuntimeError as exc:
+            failures.append(exc)
+
+    worker = threading.Thread(target=elsewhere)
+    worker.start()
+    worker.join()
+    assert len(failures) == 1 and "main thread" in str(failures[0])
 
 
 @pytest.mark.parametrize(("fault", "at"), [("SIGINT", "step_00000006"), ("SIGINT@step", "5")])
