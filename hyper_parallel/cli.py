@@ -15,6 +15,8 @@ from hyper_parallel import __version__
 from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, get_registry
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from hyper_parallel.train.config import ConfigField
 
 __all__ = ["main", "run"]
@@ -144,8 +146,8 @@ def _exit_code(runs: list[dict[str, Any]]) -> int:
     return 0
 
 
-def _is_symlink_loop(path: Any) -> bool:
-    """Whether following ``path`` (a ``Path``) fails because its links lead round in a loop."""
+def _is_symlink_loop(path: Path) -> bool:
+    """Whether following ``path`` fails because its links lead round in a loop."""
     import errno
 
     try:
