@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -32,6 +33,7 @@ from hyper_parallel_builtins.fsdp_backend._plan import (
     TEAM_SIZE_ENV,
     ExchangePlan,
     PlanOptions,
+    Replicas,
     make_plan,
     team_size_option,
 )
@@ -123,9 +125,11 @@ class FSDPBackend(ShardingBackend):
         self.team_size = team_size_option(team_size)
         self._team_size_origin = "team_size" if team_size is not None else TEAM_SIZE_ENV
         self._plans: dict[tuple[Any, ...], ExchangePlan] = {}
-        self._teams: dict[tuple[int, int], ProcessGroup] = {}  # (size, first rank): its group
+        self._teams: dict[tuple[int, ...], ProcessGroup] = {}  # by the team's global ranks
         self.replica_group_size: int | None = None
-        self._replica_groups: dict[tuple[DeviceMesh, int], ProcessGroup] = {}
+        self._replica_groups: dict[
+            tuple[DeviceMesh, int], tuple[ProcessGroup, ProcessGroup | None]
+        ] = {}
 
     def group_replicas(self, size: int) -> None:
         """Share the work among groups of ``size`` replicas only (on a 2-D ``(replicate, shard)`` mesh).
@@ -210,39 +214,70 @@ class FSDPBackend(ShardingBackend):
         key = (*layout, team.dtype if team else None)
         plan = self._plans.get(key)
         if plan is None:
+            group, replicas = self._groups(dts)
             plan = self._plans[key] = make_plan(
-                self._exchange_group(dts),
+                group,
                 [tensors[i] for i in indices],
                 [needs[i] for i in indices],
                 cost,
                 PlanOptions(self.transport, self.team_size, team, self._team_size_origin),
                 self._teams,
+                replicas,
             )
         return plan
 
-    def _exchange_group(self, tensors: Sequence[DTensor]) -> ProcessGroup:
-        """The ranks that share these params' work: the mesh's, or this rank's group of replicas."""
+    def _groups(self, tensors: Sequence[DTensor]) -> tuple[ProcessGroup, Replicas | None]:
+        """The ranks that plan these params' work together, and their replicas where rows share it.
+
+        On an HSDP layout (every param replicated on the first dim of a 2-D
+        mesh over the world) the replicas are split into groups
+        (``hsdp_replica_count``, else the cost model's choice), each group
+        computing every matrix once.
+        """
         mesh = tensors[0].device_mesh
         size = self.replica_group_size
-        if size is None or mesh.ndim != 2 or size >= mesh.size(0):
-            return exchange_group(mesh)
-        replicas = mesh.size(0)
-        if replicas % size:
+        replicated = all(t.placements[0].is_replicate() for t in tensors)
+        if mesh.ndim == 2 and size is not None and size < mesh.size(0) and not replicated:
+            t = next(t for t in tensors if not t.placements[0].is_replicate())
             raise HyperParallelValueError(
-                f"hsdp_replica_count {size} must evenly divide the replicate dim of the mesh "
-                f"({replicas} replicas); choose a divisor of {replicas}."
+                f"hsdp_replica_count={size} groups the replicas of an HSDP (replicate, shard) "
+                f"mesh, but a param of shape {tuple(t.shape)} has placements {t.placements}; "
+                "leave hsdp_replica_count unset for this layout."
             )
-        for t in tensors:
-            if not t.placements[0].is_replicate():
-                raise HyperParallelValueError(
-                    f"hsdp_replica_count={size} groups the replicas of an HSDP (replicate, shard) "
-                    f"mesh, but a param of shape {tuple(t.shape)} has placements {t.placements}; "
-                    "leave hsdp_replica_count unset for this layout."
-                )
+        group = exchange_group(mesh)
+        if mesh.ndim != 2 or not replicated or mesh.size(0) < 2 or mesh.size(1) < 2:
+            return group, None
+        if mesh.size() != dist.get_world_size():
+            return group, None
+        rows = {int(r): q for q, row in enumerate(mesh.mesh.tolist()) for r in row}
+        return group, Replicas(
+            count=mesh.size(0), shards=mesh.size(1),
+            size="auto" if size is None else size, origin="hsdp_replica_count",
+            split=functools.partial(self._split, mesh), row_of=rows.__getitem__,
+        )  # fmt: skip
+
+    def _split(self, mesh: DeviceMesh, size: int) -> tuple[ProcessGroup, ProcessGroup | None]:
+        """This rank's group of ``size`` consecutive replicas of ``mesh``, and its column in it.
+
+        Every rank makes every group, in the same order.
+        """
         if (mesh, size) not in self._replica_groups:
-            blocks = [mesh.mesh[r : r + size].flatten().tolist() for r in range(0, replicas, size)]
-            mine, _ = dist.new_subgroups_by_enumeration(blocks)
-            self._replica_groups[mesh, size] = mine
+            grid, replicas = mesh.mesh, mesh.size(0)
+            starts = range(0, replicas, size)
+            if size == replicas:
+                group = exchange_group(mesh)
+            else:
+                group, _ = dist.new_subgroups_by_enumeration(
+                    [grid[r : r + size].flatten().tolist() for r in starts]
+                )
+            column = None
+            if size == replicas:
+                column = mesh.get_group(0)
+            elif size > 1:
+                column, _ = dist.new_subgroups_by_enumeration(
+                    [grid[r : r + size, s].tolist() for r in starts for s in range(mesh.size(1))]
+                )
+            self._replica_groups[mesh, size] = (group, column)
         return self._replica_groups[mesh, size]
 
 

@@ -20,7 +20,15 @@ from hyper_parallel.core.distributed.toolkit import (
     map_held_blocks,
     shard_like,
 )
-from hyper_parallel_builtins.fsdp_backend._plan import Bucket, ExchangePlan, Leg
+from hyper_parallel_builtins.fsdp_backend._plan import (
+    BACK,
+    OWN,
+    SPREAD,
+    Bucket,
+    ExchangePlan,
+    Landing,
+    Leg,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -64,6 +72,8 @@ def map_in_place(
 
 
 _Step = tuple[ExchangePlan, list[int], Bucket]  # a plan, its tensors' positions, one of its buckets
+_Returning = tuple[_Step, dict[int, torch.Tensor], AsyncExchange]  # results on their way back
+_Spreading = tuple[_Step, list[tuple[Landing, torch.Tensor]], Callable[[], list[torch.Tensor]]]
 
 
 class Exchange:
@@ -82,32 +92,47 @@ class Exchange:
         self.needs, self.out = needs, out
 
     def in_turn(self, steps: list[_Step]) -> None:
-        """Each bucket's trip to its members, transform and trip back, one after the other."""
+        """Each bucket's trip to its members, transform, trip back and spread, one after the other."""
         for step in steps:
             results = self._transform(step, self._send(step).wait())
-            self._land(step, results, self._return(step, results).wait())
+            landed = self._landed(step, results, self._return(step, results).wait())
+            self._put(step, landed, self._spread(step, landed)())
 
     def overlapped(self, steps: list[_Step], meanwhile: Callable[[], None]) -> None:
         """:meth:`in_turn` with the next bucket travelling while the current one computes.
 
         ``meanwhile`` (the in-place work) runs while the first bucket travels.
-        At most three buckets are in flight: the next one arriving, the
-        current one computing, the previous one's results returning.
+        At most four buckets are in flight: the next one arriving, the
+        current one computing, the previous one's results returning, and
+        the one before spreading to the replicas.
         """
         incoming = self._send(steps[0]) if steps else None
         meanwhile()
-        returning: tuple[_Step, dict[int, torch.Tensor], AsyncExchange] | None = None
+        returning: _Returning | None = None
+        spreading: _Spreading | None = None
         for k, step in enumerate(steps):
             assert incoming is not None
             received = incoming.wait()
             incoming = self._send(steps[k + 1]) if k + 1 < len(steps) else None
             results = self._transform(step, received)
             sent_back = self._return(step, results)
-            if returning is not None:
-                self._land(returning[0], returning[1], returning[2].wait())
+            spreading = self._arrive(returning, spreading)
             returning = (step, results, sent_back)
+        self._arrive(None, self._arrive(returning, spreading))
+
+    def _arrive(
+        self, returning: _Returning | None, spreading: _Spreading | None
+    ) -> _Spreading | None:
+        """Land one bucket's returned results and start spreading them; finish the bucket before."""
+        started = None
         if returning is not None:
-            self._land(returning[0], returning[1], returning[2].wait())
+            step, results, sent_back = returning
+            landed = self._landed(step, results, sent_back.wait())
+            started = (step, landed, self._spread(step, landed))
+        if spreading is not None:
+            step, landed, spread = spreading
+            self._put(step, landed, spread())
+        return started
 
     def _send(self, step: _Step) -> AsyncExchange:
         """Start sending this rank's pieces of the bucket to their members."""
@@ -150,33 +175,65 @@ class Exchange:
         like = self.local[positions[bucket.like]]
         return _start(parts, bucket.legs[1], bucket.transport, like, plan.group)
 
-    def _land(
+    def _landed(
         self, step: _Step, results: dict[int, torch.Tensor], returned: list[torch.Tensor]
-    ) -> None:
-        """Each param's result for this rank, from its own results or from what came back."""
+    ) -> list[tuple[Landing, torch.Tensor]]:
+        """This rank's parts of the results its replica row computed: its own, and what came back."""
+        landed = []
+        for landing in step[2].land:
+            if landing.source == OWN:
+                assert landing.out_of is not None
+                landed.append((landing, landing.out_of.take(results[landing.index])))
+            elif landing.source == BACK:
+                landed.append((landing, _slice(returned[landing.peer], landing)))
+        return landed
+
+    def _spread(
+        self, step: _Step, landed: list[tuple[Landing, torch.Tensor]]
+    ) -> Callable[[], list[torch.Tensor]]:
+        """Start the all-gather of the landed parts over this rank's replicas; its ``wait``."""
         plan, positions, bucket = step
-        landed: dict[int, list[tuple[Layout, torch.Tensor]]] = {}
-        for landing in bucket.land:
-            into = landing.into
-            if landing.out_of is not None:
-                data = landing.out_of.take(results[landing.index])
-            else:
-                start = landing.offset
-                data = returned[landing.member][start : start + into.numel].view(into.shape)
-            landed.setdefault(landing.index, []).append((into, data))
+        if plan.column is None or not any(bucket.spread):
+            return list
+        like = self.local[positions[bucket.like]]
+        width = max(bucket.spread)
+        gather = AsyncExchange(
+            [[data for _, data in landed]], bucket.spread, group=plan.column, like=like,
+            transport="all_gather", gather_width=width, gather_offsets=[0] * len(bucket.spread),
+        )  # fmt: skip
+        return gather.wait
+
+    def _put(
+        self,
+        step: _Step,
+        landed: list[tuple[Landing, torch.Tensor]],
+        spread: list[torch.Tensor],
+    ) -> None:
+        """Each param's result for this rank, from its row's results and what its replicas spread."""
+        plan, positions, bucket = step
+        parts: dict[int, list[tuple[Layout, torch.Tensor]]] = {}
+        arrived = [(g, _slice(spread[g.peer], g)) for g in bucket.land if g.source == SPREAD]
+        for landing, data in landed + arrived:
+            parts.setdefault(landing.index, []).append((landing.into, data))
         like = self.local[positions[bucket.like]]
         for index in bucket.empty:
-            landed[index] = [(plan.mine[index], like.new_empty(plan.mine[index].shape))]
-        for index, parts in landed.items():
+            parts[index] = [(plan.mine[index], like.new_empty(plan.mine[index].shape))]
+        for index, pieces in parts.items():
             mine = plan.mine[index]
-            if len(parts) == 1 and parts[0][0] == Layout.whole(mine.shape):
-                part = parts[0][1]
+            if len(pieces) == 1 and pieces[0][0] == Layout.whole(mine.shape):
+                part = pieces[0][1]
             else:
-                part = parts[0][1].new_empty(mine.shape)
-                for into, data in parts:
+                part = pieces[0][1].new_empty(mine.shape)
+                for into, data in pieces:
                     into.copy_into(part, data)
             position = positions[index]
             self.out[position] = shard_like(part, self.tensors[position])
+
+
+def _slice(flat: torch.Tensor, landing: Landing) -> torch.Tensor:
+    """``landing``'s data in what its peer sent: ``into``'s shape, from its offset."""
+    start, into = landing.offset, landing.into
+    return flat[start : start + into.numel].view(into.shape)
 
 
 def _start(

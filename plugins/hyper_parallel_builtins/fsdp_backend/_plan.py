@@ -32,6 +32,7 @@ from hyper_parallel.core.distributed.toolkit import (
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel_builtins.fsdp_backend.cost import (
     Trip,
+    choose_replica_group,
     choose_team_size,
     choose_transport,
     device_profile,
@@ -92,15 +93,21 @@ class Assembly:
     parts: tuple[_Source, ...]
 
 
+#: Where a landing's data comes from: this rank's own result, the trip back from the
+#: member that computed it, or the spread from the replica row that did.
+OWN, BACK, SPREAD = 0, 1, 2
+
+
 @dataclass(frozen=True)
 class Landing:
     """Where one part of a result lands in this rank's shard, and where it comes from."""
 
     index: int
-    member: int  # who computed it
-    offset: int  # into what that member returns here
     into: Layout  # where in this rank's shard
-    out_of: Layout | None  # where in this rank's own result (member is this rank)
+    source: int  # OWN, BACK or SPREAD
+    peer: int  # BACK: the member that computed it; SPREAD: the column rank whose row did
+    offset: int  # into what that peer sends here
+    out_of: Layout | None  # OWN: where in this rank's own result
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,7 @@ class Bucket:
     transport: str  # how both trips travel (hyper_parallel_builtins.fsdp_backend.cost)
     like: int  # the index of a param in the bucket (dtype and device of the buffers)
     empty: tuple[int, ...]  # the params of the bucket this rank holds nothing of
+    spread: tuple[int, ...]  # by column rank: elements its row's results give the others
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,7 @@ class ExchangePlan:
     in_place: tuple[int, ...]
     buckets: tuple[Bucket, ...]
     team: ProcessGroup | None  # this rank's team, where matrices are shared by teams
+    column: ProcessGroup | None  # this rank's replicas in its group, where rows share the work
 
 
 # -- the plan ------------------------------------------------------------------------
@@ -178,15 +187,35 @@ def team_size_option(value: int | str | None) -> int | str:
     return size
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """An HSDP layout's replicas: ``count`` rows of the mesh, each holding every shard once.
+
+    ``size`` is how many consecutive replicas share the work (an int, or
+    ``"auto"``), from ``origin``. ``split(g)`` gives this rank's group of
+    ``g`` replicas (their ranks, in any order) and its column in that group
+    (the ``g`` ranks that hold its shard; ``None`` for ``g == 1``);
+    ``row_of`` the replica (mesh row) of each global rank.
+    """
+
+    count: int
+    shards: int
+    size: int | str
+    origin: str
+    split: Callable[[int], tuple[ProcessGroup, ProcessGroup | None]]
+    row_of: Callable[[int], int]
+
+
 def make_plan(
     group: ProcessGroup,
     tensors: list[torch.Tensor],
     needs: list[Need],
     cost: Callable[[torch.Size], float] | None,
     options: PlanOptions,
-    teams: dict[tuple[int, int], ProcessGroup],
+    teams: dict[tuple[int, ...], ProcessGroup],
+    replicas: Replicas | None = None,
 ) -> ExchangePlan:
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    """The plan of ``tensors`` over ``group`` (with ``replicas``: over the world, split in groups)."""
     layouts = gather_layouts(tensors, group)
     in_place = tuple(
         i for i, t in enumerate(tensors) if blocks_in_place(needs[i], t.shape, layouts[i])
@@ -194,6 +223,19 @@ def make_plan(
     moving = [i for i in range(len(tensors)) if i not in in_place]
     measure = cost or (lambda shape: float(math.prod(shape)))
     costs = [sum(measure(s) for s in _block_shapes(tensors[i].shape, needs[i])) for i in moving]
+    rows, column, column_rows = [0] * dist.get_world_size(group), None, ()
+    if replicas is not None and moving:
+        count = _replica_group_size(replicas, [tensors[i] for i in moving],
+                                    [needs[i] for i in moving], costs, group, options)  # fmt: skip
+        group, column = replicas.split(count)
+        members = dist.get_process_group_ranks(group)
+        layouts = [[lay[r] for r in members] for lay in layouts]
+        first = min(replicas.row_of(r) for r in members)
+        rows = [replicas.row_of(r) - first for r in members]
+        if column is not None:
+            column_rows = tuple(replicas.row_of(r) - first
+                                for r in dist.get_process_group_ranks(column))  # fmt: skip
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     size = _team_size([tensors[i] for i in moving], [needs[i] for i in moving], costs, group,
                       options)  # fmt: skip
     team = options.team
@@ -202,7 +244,7 @@ def make_plan(
         costs = [team.cost(tensors[i].shape, size) for i in moving]
     owners = assign_owners(costs, world // size)
     works = [
-        _works(i, tensors[i].shape, owner, size, layouts[i], team)
+        _works(i, tensors[i].shape, owner, size, layouts[i], team, rows)
         for i, owner in zip(moving, owners, strict=True)
     ]
     nbytes = [tensors[i].numel() * tensors[i].element_size() // size for i in moving]
@@ -211,13 +253,44 @@ def make_plan(
         nbytes, dtypes, owners, world // size, bucket_bytes(nbytes, owners, world // size)
     )
     mine = tuple(layouts[i][rank] for i in range(len(tensors)))
+    where = _Where(rank, rows, column_rows)
     buckets = tuple(
-        _bucket(
-            [w for k in round_ for w in works[k]], tensors, mine, rank, world, options.transport
-        )
+        _bucket([w for k in round_ for w in works[k]], tensors, mine, where, options.transport)
         for round_ in rounds
     )
-    return ExchangePlan(group, rank, mine, in_place, buckets, _team_group(group, rank, size, teams))
+    return ExchangePlan(
+        group, rank, mine, in_place, buckets, _team_group(group, rank, size, teams), column
+    )
+
+
+def _replica_group_size(
+    replicas: Replicas,
+    tensors: list[torch.Tensor],
+    needs: list[Need],
+    costs: list[float],
+    group: ProcessGroup,
+    options: PlanOptions,
+) -> int:
+    """Replicas per group: the option, checked, or the cost model's choice (rank 0's)."""
+    count = replicas.count
+    if replicas.size != "auto":
+        size = int(replicas.size)
+        if size < count and count % size:
+            raise HyperParallelValueError(
+                f"{replicas.origin} {size} must evenly divide the replicate dim of the mesh "
+                f"({count} replicas); choose a divisor of {count}."
+            )
+        return min(size, count)
+    whole = all(isinstance(n, WholeMatrices) for n in needs)
+    team = options.team if whole and options.team_size == "auto" else None
+    fixed = 1 if options.team_size == "auto" else int(options.team_size)
+    chosen = choose_replica_group(
+        [t.shape for t in tensors], costs, team, replicas.shards, count,
+        device_profile(tensors[0].device.type), _node_size(group), tensors[0].element_size(), fixed,
+    )  # fmt: skip
+    agreed = [chosen]
+    dist.broadcast_object_list(agreed, src=dist.get_global_rank(group, 0), group=group)
+    return int(agreed[0])
 
 
 def _team_size(
@@ -280,7 +353,7 @@ def _node_size(group: ProcessGroup) -> int:
 
 
 def _team_group(
-    group: ProcessGroup, rank: int, size: int, teams: dict[tuple[int, int], ProcessGroup]
+    group: ProcessGroup, rank: int, size: int, teams: dict[tuple[int, ...], ProcessGroup]
 ) -> ProcessGroup | None:
     """The process group of this rank's team: ``size`` consecutive ranks of ``group``.
 
@@ -292,14 +365,13 @@ def _team_group(
     if size == 1:
         return None
     first = rank // size * size
-    if (size, first) not in teams:
+    members = tuple(dist.get_process_group_ranks(group)[first : first + size])
+    if members not in teams:
         if dist.get_world_size(group) == dist.get_world_size():
-            mine, _ = dist.new_subgroups(group_size=size)
-            teams[size, first] = mine
+            teams[members], _ = dist.new_subgroups(group_size=size)
         else:
-            members = dist.get_process_group_ranks(group)[first : first + size]
-            teams[size, first] = dist.new_group(members, use_local_synchronization=True)
-    return teams[size, first]
+            teams[members] = dist.new_group(list(members), use_local_synchronization=True)
+    return teams[members]
 
 
 def bucket_bytes(nbytes: list[int], owners: list[int], world: int) -> int:
@@ -318,11 +390,12 @@ def _works(
     size: int,
     layouts: list[Layout],
     team: TeamTransform | None,
+    rows: list[int],
 ) -> list[Work]:
     """The works of one param: all of it for ``owner``, or a slice for each member of team ``owner``.
 
-    Each distinct part of a region is sent by the member if it holds it,
-    else by one of its holders.
+    Each distinct part of a region is sent once: by the member if it holds
+    it, else by a holder in the member's replica row (``rows``: each rank's).
     """
     whole = Layout.whole(shape)
     regions = [(owner, whole)]
@@ -341,39 +414,57 @@ def _works(
     works = []
     for member, region in regions:
         cut = {layout: layout.intersect(region) for layout in dict.fromkeys(layouts)}
-        pieces = tuple(
-            Piece(cut[lay], lay, member if layouts[member] == lay else ranks[index % len(ranks)])
-            for lay, ranks in holders.items()
-            if cut[lay].numel
-        )
-        works.append(Work(index, member, region, pieces, tuple(cut[lay] for lay in layouts)))
+        pieces = []
+        for lay, ranks in holders.items():
+            if not cut[lay].numel:
+                continue
+            near = [r for r in ranks if rows[r] == rows[member]] or ranks
+            sender = member if layouts[member] == lay else near[index % len(near)]
+            pieces.append(Piece(cut[lay], lay, sender))
+        works.append(Work(index, member, region, tuple(pieces), tuple(cut[lay] for lay in layouts)))
     return works
+
+
+@dataclass(frozen=True)
+class _Where:
+    """This rank in its exchange group: its rank, each rank's replica row, each column rank's."""
+
+    me: int
+    rows: list[int]
+    column_rows: tuple[int, ...]  # empty where one row computes everything
 
 
 def _bucket(
     works: list[Work],
     tensors: list[torch.Tensor],
     mine: tuple[Layout, ...],
-    me: int,
-    world: int,
+    where: _Where,
     transport: str,
 ) -> Bucket:
-    """This rank's part of exchanging ``works``: the orders and offsets both trips use.
+    """This rank's part of exchanging ``works``: the orders and offsets of its trips.
 
-    Both trips list each rank's data work by work, in the bucket's order.
-    ``transport="auto"`` takes the one the cost model predicts faster for
-    these trips on this device (every rank predicts the same).
+    A member returns each part of its result only to the ranks of its own
+    replica row; the other rows get theirs in the spread, an all-gather
+    over the column of replicas. Both trips and the spread list each rank's
+    data work by work, in the bucket's order. ``transport="auto"`` takes
+    the one the cost model predicts faster for these trips on this device
+    (every rank predicts the same).
     """
+    me, rows = where.me, where.rows
+    world = len(rows)
     send: list[list[tuple[int, Layout]]] = [[] for _ in range(world)]
     sends, recv_sizes, back_sizes = [0] * world, [0] * world, [0] * world
     owned: list[Assembly] = []
     back: list[list[tuple[int, Layout]]] = [[] for _ in range(world)]
     land: list[Landing] = []
+    column = {row: k for k, row in enumerate(where.column_rows)}
+    spread = [0] * len(column)
     for work in works:
+        row = rows[work.member]
         if work.member == me:
             owned.append(_assembly(work, me, recv_sizes))
             for rank, part in enumerate(work.parts):
-                if rank != me and part.numel:
+                if rank != me and part.numel and rows[rank] == row:
                     back[rank].append((work.index, work.region.locate(part)))
         for piece in work.pieces:
             if piece.sender == me and work.member != me:
@@ -383,20 +474,28 @@ def _bucket(
         if not part.numel:
             continue
         into = mine[work.index].locate(part)
+        if column:
+            source = column[row]
+            if row != rows[me]:
+                land.append(Landing(work.index, into, SPREAD, source, spread[source], None))
+            spread[source] += part.numel
+            if row != rows[me]:
+                continue
         if work.member == me:
-            land.append(Landing(work.index, me, 0, into, work.region.locate(part)))
+            land.append(Landing(work.index, into, OWN, me, 0, work.region.locate(part)))
         else:
-            land.append(Landing(work.index, work.member, back_sizes[work.member], into, None))
-            back_sizes[work.member] += part.numel
-    returns = [sum(where.numel for _, where in to) for to in back]
-    legs, trips = _legs(works, me, world, (sends, recv_sizes), (returns, back_sizes))
+            member = work.member
+            land.append(Landing(work.index, into, BACK, member, back_sizes[member], None))
+            back_sizes[member] += part.numel
+    returns = [sum(w.numel for _, w in to) for to in back]
+    legs, trips = _legs(works, where, (sends, recv_sizes), (returns, back_sizes))
     like = tensors[works[0].index]
     if transport == "auto":
         transport = choose_transport(trips, like.element_size(), device_profile(like.device.type))
     return Bucket(
         tuple(map(tuple, send)), tuple(owned), tuple(map(tuple, back)), tuple(land), legs,
         transport, works[0].index,
-        tuple(dict.fromkeys(w.index for w in works if not mine[w.index].numel)),
+        tuple(dict.fromkeys(w.index for w in works if not mine[w.index].numel)), tuple(spread),
     )  # fmt: skip
 
 
@@ -413,16 +512,22 @@ def _assembly(work: Work, me: int, recv_sizes: list[int]) -> Assembly:
     return Assembly(work.index, work.region, tuple(parts))
 
 
+def returned_parts(work: Work, rows: list[int]) -> torch.Tensor:
+    """Elements of ``work``'s result its member returns to each rank: its own row's parts."""
+    row = rows[work.member]
+    return torch.tensor([lay.numel if rows[r] == row else 0 for r, lay in enumerate(work.parts)])
+
+
 def _legs(
     works: list[Work],
-    me: int,
-    world: int,
+    where: _Where,
     to_members: tuple[list[int], list[int]],
     back: tuple[list[int], list[int]],
 ) -> tuple[tuple[Leg, Leg], tuple[Trip, Trip]]:
     """Both trips as this rank sees them (``(sends, gets)`` of each), and as the cost model does."""
+    me, world = where.me, len(where.rows)
     pieces = [[(p.sender, p.part.numel) for p in work.pieces] for work in works]
-    parts = [torch.tensor([lay.numel for lay in work.parts]) for work in works]
+    parts = [returned_parts(work, where.rows) for work in works]
     trips = exchange_trips(
         [(work.member, ps, pa) for work, ps, pa in zip(works, pieces, parts, strict=True)], world
     )

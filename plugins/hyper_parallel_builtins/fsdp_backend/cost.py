@@ -53,10 +53,12 @@ __all__ = [
     "DeviceProfile",
     "LinkCost",
     "Trip",
+    "choose_replica_group",
     "choose_team_size",
     "choose_transport",
     "device_profile",
     "exchange_trips",
+    "replica_group_seconds",
     "team_link",
     "team_seconds",
     "transport_bytes",
@@ -100,6 +102,9 @@ class DeviceProfile:
         node_link: Latency per ring step and seconds per byte of collectives
             among the ranks of one node (NVLink, HCCS), which a team that
             fits in a node uses; ``None``: the same as ``all_gather``.
+        device_memory_bytes: Memory of one device, which the params, their
+            gradients and the optimizer state of a rank must fit in;
+            ``None``: not stated (nothing is checked).
         source: Where the figures come from (a measurement command, or the
             public documents they are taken from).
     """
@@ -111,6 +116,7 @@ class DeviceProfile:
     memory_bytes_per_s: float = 1e10
     overhead_per_matrix_s: float = 0.0
     node_link: LinkCost | None = None
+    device_memory_bytes: float | None = None
     source: str = ""
 
     @classmethod
@@ -133,6 +139,9 @@ class DeviceProfile:
                 memory_bytes_per_s=float(data.get("memory_bytes_per_s", 1e10)),
                 overhead_per_matrix_s=float(data.get("overhead_per_matrix_s", 0.0)),
                 node_link=LinkCost(**data["node_link"]) if data.get("node_link") else None,
+                device_memory_bytes=(
+                    float(data["device_memory_bytes"]) if data.get("device_memory_bytes") else None
+                ),
                 source=str(data.get("source", "")),
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -140,7 +149,7 @@ class DeviceProfile:
                 f"device profile {path}: {type(exc).__name__}: {exc}. A profile is JSON with "
                 '"name", "all_to_all" and "all_gather" ({"latency_s": ..., "seconds_per_byte": '
                 '...}), and optional "matmul_flops", "memory_bytes_per_s", '
-                '"overhead_per_matrix_s", "node_link" and "source".'
+                '"overhead_per_matrix_s", "node_link", "device_memory_bytes" and "source".'
             ) from None
 
     def to_json(self, path: str | Path) -> None:
@@ -377,12 +386,24 @@ def choose_team_size(
     nothing to decide by: no profile, no matmul rate for the team's dtype in
     it, no ``team``, or a matrix the team cannot split.
     """
+    return _team_choice(shapes, whole_flops, team, world, profile, node_size)[0]
+
+
+def _team_choice(
+    shapes: Sequence[torch.Size],
+    whole_flops: Sequence[float],
+    team: TeamTransform | None,
+    world: int,
+    profile: DeviceProfile | None,
+    node_size: int | None,
+) -> tuple[int, float]:
+    """:func:`choose_team_size`'s size and its busiest team's seconds (0 where nothing decides)."""
     dtype = str(team.dtype).removeprefix("torch.") if team else ""
     if profile is None or team is None or world < 2 or not shapes:
-        return 1
+        return 1, 0.0
     dims = [team.split_dim(s) for s in shapes]
     if any(d is None for d in dims) or not profile.matmul_flops.get(dtype):
-        return 1
+        return 1, 0.0
     rates = [profile.matmul_rate(dtype, min(s[-2:])) for s in shapes]
     whole = [f / r for f, r in zip(whole_flops, rates, strict=True)]
     best, best_seconds = 1, _busiest(whole, world)
@@ -399,7 +420,72 @@ def choose_team_size(
         busiest = _busiest(seconds, world // size)
         if busiest < (1 - TEAM_MIN_GAIN) * best_seconds:
             best, best_seconds = size, busiest
-    return best
+    return best, best_seconds
+
+
+def replica_group_seconds(
+    shapes: Sequence[torch.Size],
+    whole_flops: Sequence[float],
+    team: TeamTransform | None,
+    shards: int,
+    replicas: int,
+    profile: DeviceProfile,
+    node_size: int | None = None,
+    element_size: int = 4,
+) -> float:
+    """Predicted seconds of the exchange and transform when groups of ``replicas`` share the work.
+
+    A group of ``replicas`` rows of ``shards`` ranks gives each matrix to
+    one owner (or team) among its ranks (:func:`choose_team_size`). Each
+    rank sends its shard of the matrices its row computes and gets its
+    part back over ``all_to_all`` (``1 / (replicas * shards)`` of the
+    elements each way), and the rows then all-gather their results over a
+    ring of ``replicas`` ranks (``all_gather``'s link): ``(replicas - 1) /
+    replicas`` of a shard. More replicas per group: fewer FLOPs per rank,
+    more bytes over the slower link.
+    """
+    world = replicas * shards
+    _, busiest = _team_choice(shapes, whole_flops, team, world, profile, node_size)
+    if not busiest:
+        dtype = str(team.dtype).removeprefix("torch.") if team else "float32"
+        rates = [profile.matmul_rate(dtype, min(s[-2:])) for s in shapes]
+        busiest = _busiest([f / r for f, r in zip(whole_flops, rates, strict=True)], world)
+    share = sum(s.numel() for s in shapes) * element_size / world
+    trips = 2 * profile.all_to_all.seconds(max(shards - 1, 1), share) if shards > 1 else 0.0
+    spread = profile.all_gather.seconds(replicas - 1, (replicas - 1) * share)
+    return busiest + trips + spread
+
+
+def choose_replica_group(
+    shapes: Sequence[torch.Size],
+    whole_flops: Sequence[float],
+    team: TeamTransform | None,
+    shards: int,
+    replicas: int,
+    profile: DeviceProfile | None,
+    node_size: int | None = None,
+    element_size: int = 4,
+    team_size: int = 1,
+) -> int:
+    """How many replicas share each matrix's work: a divisor of ``replicas``.
+
+    The one with the fewest :func:`replica_group_seconds` (the smaller on a
+    tie), among those whose ranks a fixed ``team_size`` divides. Without a
+    profile, or without a matmul rate for the work's dtype in it:
+    ``replicas`` (every replica shares the work once).
+    """
+    dtype = str(team.dtype).removeprefix("torch.") if team else "float32"
+    if profile is None or not profile.matmul_flops.get(dtype) or not shapes or replicas < 2:
+        return replicas
+    sizes = [g for g in range(1, replicas + 1) if replicas % g == 0 and g * shards % team_size == 0]
+    if not sizes:
+        return replicas
+    seconds = {
+        g: replica_group_seconds(shapes, whole_flops, team, shards, g, profile, node_size,
+                                 element_size)
+        for g in sizes
+    }  # fmt: skip
+    return min(sizes, key=lambda g: (seconds[g], g))
 
 
 def team_link(profile: DeviceProfile, size: int, node_size: int) -> LinkCost:
