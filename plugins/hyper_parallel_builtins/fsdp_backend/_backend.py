@@ -132,12 +132,15 @@ class FSDPBackend(ShardingBackend):
         ] = {}
 
     def group_replicas(self, size: int) -> None:
-        """Share the work among groups of ``size`` replicas only (on a 2-D ``(replicate, shard)`` mesh).
+        """Share the work among groups of ``size`` replicas (on a 2-D ``(replicate, shard)`` mesh).
 
-        Each group of ``size`` consecutive replicas computes every matrix once
-        and shares the results among its own ranks; other groups do the
-        same, so no collective leaves a group (keep a group within a node).
-        ``size`` must divide the replicate dim; at least its size is one group.
+        Each group of ``size`` consecutive replicas computes every matrix once:
+        its owners get each distinct shard once (from their own replica
+        row), return results to their own row, and an all-gather over the
+        group's column of replicas spreads them to the other rows. No
+        collective leaves a group. ``size`` must divide the replicate dim; at
+        least its size is one group. Unset, the cost model picks the size
+        (:func:`~hyper_parallel_builtins.fsdp_backend.cost.choose_replica_group`).
         """
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise HyperParallelValueError(f"hsdp_replica_count must be positive, got {size!r}.")

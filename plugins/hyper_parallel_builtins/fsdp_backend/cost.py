@@ -436,24 +436,27 @@ def replica_group_seconds(
     """Predicted seconds of the exchange and transform when groups of ``replicas`` share the work.
 
     A group of ``replicas`` rows of ``shards`` ranks gives each matrix to
-    one owner (or team) among its ranks (:func:`choose_team_size`). Each
-    rank sends its shard of the matrices its row computes and gets its
-    part back over ``all_to_all`` (``1 / (replicas * shards)`` of the
-    elements each way), and the rows then all-gather their results over a
-    ring of ``replicas`` ranks (``all_gather``'s link): ``(replicas - 1) /
-    replicas`` of a shard. More replicas per group: fewer FLOPs per rank,
-    more bytes over the slower link.
+    one owner (or team, :func:`choose_team_size`) among its ranks, by LPT
+    as the plan does. The busiest row decides the bytes: each of its ranks
+    sends its shard of the row's matrices and gets its part back
+    (``all_to_all``), then the rows all-gather their results over a ring of
+    ``replicas`` ranks, each contribution padded to the busiest row's
+    (``all_gather``'s link). More replicas per group: fewer FLOPs per rank,
+    until rows outnumber the matrices and the padding grows the bytes.
     """
     world = replicas * shards
-    _, busiest = _team_choice(shapes, whole_flops, team, world, profile, node_size)
-    if not busiest:
-        dtype = str(team.dtype).removeprefix("torch.") if team else "float32"
-        rates = [profile.matmul_rate(dtype, min(s[-2:])) for s in shapes]
-        busiest = _busiest([f / r for f, r in zip(whole_flops, rates, strict=True)], world)
-    share = sum(s.numel() for s in shapes) * element_size / world
-    trips = 2 * profile.all_to_all.seconds(max(shards - 1, 1), share) if shards > 1 else 0.0
-    spread = profile.all_gather.seconds(replicas - 1, (replicas - 1) * share)
-    return busiest + trips + spread
+    size, busiest = _team_choice(shapes, whole_flops, team, world, profile, node_size)
+    dtype = str(team.dtype).removeprefix("torch.") if team else "float32"
+    rates = [profile.matmul_rate(dtype, min(s[-2:])) for s in shapes]
+    seconds = [f / r for f, r in zip(whole_flops, rates, strict=True)]
+    costs = [team.cost(s, size) for s in shapes] if team and size > 1 else seconds
+    rows = [0.0] * replicas
+    for shape, owner in zip(shapes, assign_owners(costs, world // size), strict=True):
+        rows[owner * size // shards] += shape.numel()
+    share = max(rows) / shards * element_size  # a rank's part of its row's matrices
+    busiest = busiest or _busiest(seconds, world)
+    trips = 2 * profile.all_to_all.seconds(shards - 1, share) if shards > 1 else 0.0
+    return busiest + trips + profile.all_gather.seconds(replicas - 1, (replicas - 1) * share)
 
 
 def choose_replica_group(
