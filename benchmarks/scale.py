@@ -49,6 +49,7 @@ from hyper_parallel_builtins.fsdp_backend.cost import (
     DeviceProfile,
     LinkCost,
     Trip,
+    choose_replica_group,
     choose_team_size,
     device_profile,
     exchange_trips,
@@ -156,31 +157,37 @@ MUON_GROUP = {"ns_coefficients": "keller", "ns_steps": NS_STEPS, "matrix_view": 
 
 @dataclass
 class Plan:
-    """The exchange of one step: each bucket's trips, per-rank Newton-Schulz FLOPs, team work.
+    """The exchange of one step in one group of replicas: each bucket's trips and spread, FLOPs.
 
-    With teams (``team_size > 1``) each matrix is shared by a team of
-    consecutive ranks; a member's Newton-Schulz FLOPs and the team's own
-    collectives are its share.
+    The group is ``replica_group`` rows (replicas) of ``shards`` ranks; the
+    job's other groups do the same. With teams (``team_size > 1``) each
+    matrix is shared by a team of consecutive ranks; a member's
+    Newton-Schulz FLOPs and the team's own collectives are its share.
     """
 
     trips: list[tuple[Trip, Trip]]
-    flops: torch.Tensor  # per rank, over the step
+    #: per bucket and column (shard), the elements of the all-gather's widest row
+    spread: list[torch.Tensor]
+    flops: torch.Tensor  # per rank of the group, over the step
     #: per bucket, the busiest member's seconds: without overlap every rank waits for it
     bucket_seconds: list[float]
     team_bytes: torch.Tensor  # per rank: the teams' all-reduces and all-gathers
     team_size: int
+    replica_group: int
+    shards: int
 
 
 def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype,
-                  profile: DeviceProfile, device: str = "cuda",
-                  team_size: int | None = None) -> Plan:  # fmt: skip
+                  profile: DeviceProfile, device: str = "cuda", team_size: int | None = None,
+                  replica_group: int | None = None) -> Plan:  # fmt: skip
     """The ``fsdp`` backend's plan for ``params`` row-sharded over ``shards`` ranks, replicated.
 
-    ``team_size``: ranks per matrix; ``None`` chooses as ``team_size="auto"``
-    does with ``profile``.
+    ``team_size``: ranks per matrix; ``replica_group``: replicas that share
+    the work. ``None`` chooses as the backend's ``"auto"`` does with ``profile``.
     """
     from hyper_parallel.core.distributed.toolkit import assign_owners, exchange_rounds
     from hyper_parallel_builtins.fsdp_backend import bucket_bytes
+    from hyper_parallel_builtins.fsdp_backend._plan import row_count
     from hyper_parallel_builtins.muon import MuonTeam
     from hyper_parallel_builtins.newton_schulz import newton_schulz_flops, resolve_ns_method
 
@@ -190,11 +197,17 @@ def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype
     flops = [
         newton_schulz_flops(r, c, NS_STEPS, m) for (r, c), m in zip(shapes, methods, strict=True)
     ]
-    size = team_size or choose_team_size(shapes, flops, team, ranks, profile, RANKS_PER_NODE)
-    link = team_link(profile, size, RANKS_PER_NODE)
+    node = min(RANKS_PER_NODE, ranks)
+    group = replica_group or choose_replica_group(
+        shapes, flops, team if team_size is None else None, shards, ranks // shards, profile,
+        node, TRAVEL_BYTES, team_size or 1,
+    )  # fmt: skip
+    world = group * shards  # the ranks of one group of replicas
+    size = team_size or choose_team_size(shapes, flops, team, world, profile, node)
+    link = team_link(profile, size, node)
     if size > 1:  # teams run the standard iteration
         flops, methods = [team.cost(s, size) for s in shapes], ["standard"] * len(shapes)
-    owners = assign_owners(flops, ranks // size)
+    owners = assign_owners(flops, world // size, rows=row_count(group, world // size))
     element_size = torch.empty(0, dtype=ns_dtype).element_size()
     seconds, moved = [], []
     for shape, f, method in zip(shapes, flops, methods, strict=True):
@@ -203,23 +216,25 @@ def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype
         seconds.append(team_seconds(f, collectives, size, element_size, rate, link))
         moved.append(sum(_collective_bytes(kind, n, size) for kind, n in collectives)
                      * element_size)  # fmt: skip
-    per_rank = torch.zeros(ranks, dtype=torch.float64)
-    team_bytes = torch.zeros(ranks, dtype=torch.float64)
+    per_rank = torch.zeros(world, dtype=torch.float64)
+    team_bytes = torch.zeros(world, dtype=torch.float64)
     for f, b, o in zip(flops, moved, owners, strict=True):
         per_rank[o * size : (o + 1) * size] += f
         team_bytes[o * size : (o + 1) * size] += b
-    nbytes = [s.numel() * 4 // size for s in shapes]
-    rounds = exchange_rounds(nbytes, [ns_dtype] * len(shapes), owners, ranks // size,
-                             bucket_bytes(nbytes, owners, ranks // size))  # fmt: skip
-    trips, bucket_seconds = [], []
+    nbytes = [s.numel() * TRAVEL_BYTES // size for s in shapes]
+    rounds = exchange_rounds(nbytes, [ns_dtype] * len(shapes), owners, world // size,
+                             bucket_bytes(nbytes, owners, world // size))  # fmt: skip
+    trips, spread, bucket_seconds = [], [], []
     for r in rounds:
         items = [(i, shapes[i], owners[i], team.split_dim(shapes[i])) for i in r]
-        trips.append(_bucket_trips(items, ranks, shards, size))
+        to, back, widths = _bucket_trips(items, world, shards, size)
+        trips.append((to, back))
+        spread.append(widths)
         load: dict[int, float] = {}
         for i in r:
             load[owners[i]] = load.get(owners[i], 0.0) + seconds[i]
         bucket_seconds.append(max(load.values(), default=0.0))
-    return Plan(trips, per_rank, bucket_seconds, team_bytes, size)
+    return Plan(trips, spread, per_rank, bucket_seconds, team_bytes, size, group, shards)
 
 
 def _collective_bytes(kind: str, elements: int, members: int) -> float:
@@ -229,22 +244,28 @@ def _collective_bytes(kind: str, elements: int, members: int) -> float:
 
 
 def _bucket_trips(items: list[tuple[int, torch.Size, int, int | None]], ranks: int, shards: int,
-                  size: int) -> tuple[Trip, Trip]:  # fmt: skip
-    """Pieces to the members (one holder sends each, the member where it holds one), parts back.
+                  size: int) -> tuple[Trip, Trip, torch.Tensor]:  # fmt: skip
+    """One bucket in a group of ``ranks // shards`` replica rows: trips, and the spread's widths.
 
-    ``items``: ``(index, shape, owner or team, split dim)``; member ``k`` of a
-    team takes band ``k`` of the split dim, as the backend cuts it.
+    Each piece goes to its member once, from the holder in the member's own
+    row (the member itself where it holds it); each part comes back to that
+    row only. ``items``: ``(index, shape, owner or team, split dim)``;
+    member ``k`` of a team takes band ``k`` of the split dim, as the backend
+    cuts it. The widths: per column (shard), the most elements one row
+    gives the all-gather that spreads the results over the column.
     """
-    replicas = ranks // shards
+    rows = torch.arange(ranks) // shards
     by_shard = torch.arange(ranks) % shards
+    given = torch.zeros(ranks // shards, shards, dtype=torch.int64)
     works = []
-    for index, (rows, cols), owner, dim in items:
-        shard_rows = _shard_rows(rows, shards)
+    for _, (height, cols), owner, dim in items:
+        shard_rows = _shard_rows(height, shards)
         starts = [sum(shard_rows[:s]) for s in range(shards)]
         along_rows = size == 1 or dim == 0
-        length = rows if along_rows else cols
+        length = height if along_rows else cols
         for k in range(size):
             member = owner * size + k
+            row = member // shards
             lo, hi = k * length // size, (k + 1) * length // size
             if along_rows:
                 pieces = torch.tensor([max(0, min(a + n, hi) - max(a, lo)) * cols
@@ -253,20 +274,26 @@ def _bucket_trips(items: list[tuple[int, torch.Size, int, int | None]], ranks: i
                 pieces = torch.tensor([n * (hi - lo) for n in shard_rows])
             senders = []
             for s in torch.nonzero(pieces).flatten().tolist():
-                sender = member if member % shards == s else s + shards * (index % replicas)
+                sender = member if member % shards == s else s + shards * row
                 senders.append((sender, int(pieces[s])))
-            works.append((member, senders, pieces[by_shard]))
-    return exchange_trips(works, ranks)
+            works.append((member, senders, pieces[by_shard] * (rows == row)))
+            given[row] += pieces
+    to, back = exchange_trips(works, ranks)
+    return to, back, given.max(0).values
 
 
 # ---------------------------------------------------------------- predictions
+
+#: Bytes per element of what travels (the momentum update and the result, float32) and of
+#: each optimizer state element; the params and gradients take ``--param-dtype``'s.
+TRAVEL_BYTES = STATE_BYTES = 4
 
 
 @dataclass(frozen=True)
 class Prediction:
     ranks: int
     transport: str
-    step_s: float
+    step_s: float | None  # None: it does not fit
     bytes_per_rank: int
     ns_flops_per_rank: float
     state_bytes_per_rank: int
@@ -274,45 +301,118 @@ class Prediction:
     ns_s: float
     elementwise_s: float
     team_size: int
+    shard_size: int
+    replica_group: int
+    lower_bound_bytes: int
+    memory_bytes_per_rank: int
+    fits: bool
+
+    @property
+    def bytes_over_bound(self) -> float:
+        return self.bytes_per_rank / self.lower_bound_bytes if self.lower_bound_bytes else 0.0
+
+
+def memory_per_rank(params: Params, shards: int, param_bytes: int = 4) -> int:
+    """Bytes of params, gradients and optimizer state on one rank, sharded ``shards`` ways.
+
+    Params and gradients take ``param_bytes`` each; Muon keeps one float32
+    buffer (momentum) per element, AdamW two (the moments). Activations and
+    the transient unsharded params of forward and backward are not counted.
+    """
+    state = params.muon_elements + 2 * params.adamw_elements
+    elements = params.muon_elements + params.adamw_elements
+    return -(-(elements * 2 * param_bytes + state * STATE_BYTES) // shards)
+
+
+def lower_bound_bytes(params: Params, shards: int) -> int:
+    """Bytes a rank must move at least: its shard of every Muon gradient out, of its update back."""
+    return 2 * -(-params.muon_elements // shards) * TRAVEL_BYTES
 
 
 def predict(params: Params, ranks: int, shards: int, transport: str, profile: DeviceProfile,
             ns_dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-            plan: Plan | None = None) -> Prediction:  # fmt: skip
+            plan: Plan | None = None, param_bytes: int = 4) -> Prediction:  # fmt: skip
     """One step of ``params`` on ``ranks`` (shard groups of ``shards``) by ``transport``."""
     plan = plan or plan_exchange(params, ranks, shards, ns_dtype, profile, device)
-    exchange = sum(transport_seconds(t, 4, transport, profile) for ts in plan.trips for t in ts)
-    moved = plan.team_bytes + sum(rank_bytes(t, transport) for ts in plan.trips for t in ts)
+    trips = sum(transport_seconds(t, TRAVEL_BYTES, transport, profile)
+                for ts in plan.trips for t in ts)  # fmt: skip
+    spread_s, spread_bytes = _spread(plan, profile)
+    moved = plan.team_bytes + spread_bytes + sum(
+        rank_bytes(t, transport, TRAVEL_BYTES) for ts in plan.trips for t in ts
+    )
     busiest = float(plan.flops.max())
     ns = sum(plan.bucket_seconds)  # each bucket waits for its busiest member
     local = (params.muon_elements + 2 * params.adamw_elements) / shards
     elementwise = (params.muon_elements * MUON_PASSES + params.adamw_elements * ADAMW_PASSES) \
         * 4 / shards / profile.memory_bytes_per_s  # fmt: skip
     elementwise += profile.overhead_per_matrix_s * sum(n for _, n in params.matrices)
-    return Prediction(ranks, transport, exchange + ns + elementwise, int(moved.max()), busiest,
-                      int(local * 4), exchange, ns, elementwise, plan.team_size)  # fmt: skip
+    memory = memory_per_rank(params, shards, param_bytes)
+    fits = profile.device_memory_bytes is None or memory <= profile.device_memory_bytes
+    step = trips + spread_s + ns + elementwise
+    return Prediction(ranks, transport, step if fits else None, int(moved.max()), busiest,
+                      int(local * STATE_BYTES), trips + spread_s, ns, elementwise, plan.team_size,
+                      shards, plan.replica_group, lower_bound_bytes(params, shards), memory,
+                      fits)  # fmt: skip
 
 
-def hsdp_shards(ranks: int) -> int:
-    return min(ranks, RANKS_PER_NODE)
+def _spread(plan: Plan, profile: DeviceProfile) -> tuple[float, torch.Tensor]:
+    """Seconds of the spreads, and each rank's bytes in them (a ring: sent and received).
+
+    Each column's all-gather over ``replica_group`` ranks is a ring of
+    ``replica_group - 1`` steps, each moving its widest row's elements; the
+    columns run at once, so the widest column sets each bucket's time.
+    """
+    steps = plan.replica_group - 1
+    per_column = torch.zeros(plan.shards, dtype=torch.float64)
+    seconds = 0.0
+    for widths in plan.spread:
+        if steps:
+            nbytes = steps * float(widths.max()) * TRAVEL_BYTES
+            seconds += profile.all_gather.seconds(steps, nbytes)
+        per_column += 2 * steps * widths.double() * TRAVEL_BYTES
+    return seconds, per_column.repeat(plan.replica_group)
 
 
-def predictions(params: Params, ranks: Sequence[int], profile: DeviceProfile) -> list[Prediction]:
-    """Each transport at each rank count, on the default HSDP mesh (nodes of 8)."""
+def shard_size(params: Params, ranks: int, profile: DeviceProfile, param_bytes: int = 4) -> int:
+    """The smallest shard degree of at least a node's ranks whose state fits ``profile``'s memory.
+
+    A divisor of ``ranks``; ``ranks`` itself (full sharding) where none fits
+    (the prediction then says it does not fit). Sharding within a node
+    moves nothing over the slower link, so a node's ranks are the least.
+    """
+    node = min(RANKS_PER_NODE, ranks)
+    sizes = [s for s in range(node, ranks + 1) if ranks % s == 0 and s % node == 0]
+    limit = profile.device_memory_bytes
+    fitting = [s for s in sizes if limit is None or memory_per_rank(params, s, param_bytes) <= limit]
+    return fitting[0] if fitting else sizes[-1]
+
+
+def predictions(params: Params, ranks: Sequence[int], profile: DeviceProfile,
+                shards: int | str = "auto", param_bytes: int = 4) -> list[Prediction]:  # fmt: skip
+    """Each transport at each rank count: HSDP with ``shards`` ranks per replica (``"auto"``:
+    :func:`shard_size`), the replica groups and teams the backend's ``auto`` picks."""
     rows = []
     for n in ranks:
-        plan = plan_exchange(params, n, hsdp_shards(n), torch.bfloat16, profile)
-        rows += [predict(params, n, hsdp_shards(n), t, profile, plan=plan) for t in TRANSPORTS]
+        s = shard_size(params, n, profile, param_bytes) if shards == "auto" else int(shards)
+        if n % s:
+            raise SystemExit(f"--shard-size {s} does not divide {n} ranks; choose a divisor")
+        plan = plan_exchange(params, n, s, torch.bfloat16, profile)
+        rows += [predict(params, n, s, t, profile, plan=plan, param_bytes=param_bytes)
+                 for t in TRANSPORTS]  # fmt: skip
     return rows
 
 
-def pick(rows: Sequence[Prediction], ranks: int) -> str:
-    """The transport with the shortest predicted step at ``ranks``."""
-    return min((r for r in rows if r.ranks == ranks), key=lambda r: r.step_s).transport
+def pick(rows: Sequence[Prediction], ranks: int) -> Prediction:
+    """The row with the shortest predicted step at ``ranks`` (the transport ``auto`` takes)."""
+    mine = [r for r in rows if r.ranks == ranks]
+    return min(mine, key=lambda r: (r.step_s is None, r.step_s or 0.0))
 
 
 def plot(rows: Sequence[Prediction], title: str, path: Path) -> None:
-    """Step time, bytes and Newton-Schulz FLOPs per rank against ranks, one line per transport."""
+    """Step time, bytes and Newton-Schulz FLOPs per rank against ranks, one line per transport.
+
+    The bytes panel also draws the lower bound; rows that do not fit are left out.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -321,10 +421,15 @@ def plot(rows: Sequence[Prediction], title: str, path: Path) -> None:
     panels = (("step_s", "predicted step (s)"), ("bytes_per_rank", "bytes per rank per step"),
               ("ns_flops_per_rank", "Newton-Schulz FLOPs per rank"))  # fmt: skip
     fig, axes = plt.subplots(1, len(panels), figsize=(14, 4))
+    fitting = [r for r in rows if r.fits]
     for ax, (key, label) in zip(axes, panels, strict=True):
         for transport in TRANSPORTS:
-            mine = [r for r in rows if r.transport == transport]
+            mine = [r for r in fitting if r.transport == transport]
             ax.plot([r.ranks for r in mine], [getattr(r, key) for r in mine], "o-", label=transport)
+        if key == "bytes_per_rank":
+            bound = [r for r in fitting if r.transport == TRANSPORTS[0]]
+            ax.plot([r.ranks for r in bound], [r.lower_bound_bytes for r in bound], "k--",
+                    label="lower bound")  # fmt: skip
         ax.set(xscale="log", yscale="log", xlabel="ranks", ylabel=label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -332,6 +437,31 @@ def plot(rows: Sequence[Prediction], title: str, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+#: The keys of each prediction in ``--json``.
+PREDICTION_KEYS = ("ranks", "transport", "step_s", "bytes_per_rank", "lower_bound_bytes",
+                   "bytes_over_bound", "ns_flops_per_rank", "state_bytes_per_rank",
+                   "memory_bytes_per_rank", "fits", "shard_size", "replica_group",
+                   "team_size")  # fmt: skip
+
+
+def describe(rows: Sequence[Prediction], ranks: int, profile: DeviceProfile) -> str:
+    """One line for ``ranks``: the mesh, what ``auto`` picks, and each transport's figures."""
+    best = pick(rows, ranks)
+    memory = f"{best.memory_bytes_per_rank / 1e9:.1f} GB/rank"
+    if profile.device_memory_bytes:
+        memory += f" of {profile.device_memory_bytes / 1e9:.0f} GB"
+    head = (f"at {ranks} ranks ({profile.name}): HSDP {ranks // best.shard_size} x "
+            f"{best.shard_size}, {memory}")  # fmt: skip
+    if not best.fits:
+        return f"{head}: does not fit, even sharded over all {best.shard_size} ranks"
+    return (f"{head}; groups of {best.replica_group} replicas, {best.team_size} rank(s) per "
+            f"matrix; picks {best.transport}; " + "; ".join(
+                f"{r.transport} {r.step_s:.3f} s, {r.bytes_per_rank / 2**30:.1f} GiB/rank "
+                f"({r.bytes_over_bound:.2f}x the bound of {r.lower_bound_bytes / 2**30:.1f}), "
+                f"NS {r.ns_flops_per_rank / 1e12:.2f} TFLOP/rank"
+                for r in rows if r.ranks == ranks))  # fmt: skip
 
 
 # ---------------------------------------------------------------- measuring here
@@ -706,6 +836,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="device profile JSON: read (or written by --calibrate)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--plot", type=Path, help="write a PNG of step time and bytes by ranks")
+    parser.add_argument("--shard-size", default="auto", type=_shard_size,
+                        help="ranks each param is sharded over (HSDP's shard dim): a number, or "
+                             "auto (the default): the smallest multiple of a node of 8 whose "
+                             "params, gradients and state fit the profile's device memory")  # fmt: skip
+    parser.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype of the sharded params and their gradients in the memory "
+                             "check (default float32; the optimizer state is float32)")  # fmt: skip
     parser.add_argument("--ns-dtype", choices=("float32", "bfloat16"),
                         help="Newton-Schulz dtype of --validate's steps and of the teams "
                              "--calibrate times (default: Muon's default here)")  # fmt: skip
@@ -728,20 +865,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = _load_params(args.model)
         cluster = profile or device_profile("cuda") or _default_cluster_profile()
         ranks = [int(r) for r in args.ranks.split(",")]
-        rows = predictions(params, ranks, cluster)
+        param_bytes = getattr(torch, args.param_dtype).itemsize
+        rows = predictions(params, ranks, cluster, args.shard_size, param_bytes)
         result["profile"] = cluster.name
         result["predictions"] = [
-            {k: getattr(r, k) for k in ("ranks", "transport", "step_s", "bytes_per_rank",
-                                        "ns_flops_per_rank", "state_bytes_per_rank", "team_size")}
-            for r in rows
+            {k: getattr(r, k) for k in PREDICTION_KEYS} for r in rows
         ]  # fmt: skip
         for n in ranks:
-            team = next(r.team_size for r in rows if r.ranks == n)
-            print(f"{params.name} at {n} ranks ({cluster.name}): picks {pick(rows, n)}, "
-                  f"{team} rank(s) per matrix; " + "; ".join(
-                f"{r.transport} {r.step_s:.3f} s, {r.bytes_per_rank / 2**20:.0f} MiB/rank, "
-                f"NS {r.ns_flops_per_rank / 1e12:.2f} TFLOP/rank"
-                for r in rows if r.ranks == n))  # fmt: skip
+            print(f"{params.name} {describe(rows, n, cluster)}")
         if args.plot:
             plot(rows, f"{params.name}, one Muon+AdamW step ({cluster.name})", args.plot)
     if args.json:
@@ -750,6 +881,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "reproduce: python -m benchmarks.scale " + " ".join(sys.argv[1:] if argv is None else argv)
     )
     return 0
+
+
+def _shard_size(value: str) -> int | str:
+    if value == "auto":
+        return value
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise argparse.ArgumentTypeError(f"{value!r} is not a shard size; give auto or a positive int")
 
 
 def _default_ns_dtype() -> torch.dtype:

@@ -6,11 +6,13 @@ Its time predictions are held to measurements by the benchmark itself
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,10 +20,13 @@ import torch
 from benchmarks.scale import (
     MODELS,
     MUON_GROUP,
+    PREDICTION_KEYS,
     Params,
     fit_team_link,
+    memory_per_rank,
     plan_exchange,
     predictions,
+    shard_size,
     validate,
 )
 from hyper_parallel_builtins.fsdp_backend.cost import DeviceProfile, LinkCost, team_seconds
@@ -96,27 +101,70 @@ def test_teams_share_each_matrix_and_its_flops() -> None:
     assert (teams.team_bytes > 0).all() and int(whole.team_bytes.sum()) == 0
 
 
-def test_llama_70b_predictions_and_the_command_line(tmp_path: Path) -> None:
+def _predict(tmp_path: Path, model: str, ranks: str) -> tuple[list[dict[str, Any]], str]:
     out, png = tmp_path / "p.json", tmp_path / "p.png"
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scale", "--model", "llama-70b",
-         "--ranks", "8,64,1024,16384", "--json", str(out), "--plot", str(png)],
+        [sys.executable, "-m", "benchmarks.scale", "--model", model, "--ranks", ranks,
+         "--json", str(out), "--plot", str(png)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads(out.read_text())["predictions"]
-    assert {(r["ranks"], r["transport"]) for r in rows} == {
-        (n, t) for n in (8, 64, 1024, 16384) for t in ("all_to_all", "all_gather")
-    }
-    assert set(rows[0]) == {"ranks", "transport", "step_s", "bytes_per_rank",
-                            "ns_flops_per_rank", "state_bytes_per_rank", "team_size"}  # fmt: skip
-    for transport in ("all_to_all", "all_gather"):
-        flops = [r["ns_flops_per_rank"] for r in rows if r["transport"] == transport]
-        assert all(a > b for a, b in itertools.pairwise(flops)), flops  # falls at every size
-    teams = {r["ranks"]: r["team_size"] for r in rows}
-    assert teams[8] == 1 and teams[16384] > 1, teams
     assert png.read_bytes().startswith(b"\x89PNG")
-    assert "llama-70b at 16384 ranks" in result.stdout and "picks all_to_all" in result.stdout
+    return json.loads(out.read_text())["predictions"], result.stdout
+
+
+def _auto(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per rank count, the row the backend's ``auto`` transport takes (the faster)."""
+    best: dict[int, dict[str, Any]] = {}
+    for r in rows:
+        if r["ranks"] not in best or (r["step_s"] or 0) < (best[r["ranks"]]["step_s"] or 0):
+            best[r["ranks"]] = r
+    return best
+
+
+def test_llama_70b_gets_no_slower_from_1024_to_16384_ranks(tmp_path: Path) -> None:
+    rows, stdout = _predict(tmp_path, "llama-70b", "8,64,1024,4096,16384")
+    assert {(r["ranks"], r["transport"]) for r in rows} == {
+        (n, t) for n in (8, 64, 1024, 4096, 16384) for t in ("all_to_all", "all_gather")
+    }
+    assert set(rows[0]) == set(PREDICTION_KEYS)
+    auto = _auto(rows)
+    # 8 H100s of 80 GB cannot hold its params, gradients and state: the row says so
+    assert not auto[8]["fits"] and auto[8]["step_s"] is None
+    assert "at 8 ranks (h100-infiniband): HSDP 1 x 8" in stdout and "does not fit" in stdout
+    for n in (64, 1024, 4096, 16384):
+        assert auto[n]["fits"] and auto[n]["memory_bytes_per_rank"] <= 80e9, auto[n]
+    steps = [auto[n]["step_s"] for n in (1024, 4096, 16384)]
+    assert all(b <= 1.05 * a for a, b in itertools.pairwise(steps)), steps
+    assert auto[16384]["bytes_per_rank"] <= auto[1024]["bytes_per_rank"]
+    assert auto[16384]["bytes_over_bound"] <= 1.5, auto[16384]
+    assert auto[16384]["replica_group"] < 16384 // auto[16384]["shard_size"]  # groups of replicas
+    # FLOPs fall until the groups of replicas stop growing, then stay
+    flops = [auto[n]["ns_flops_per_rank"] for n in (64, 1024, 16384)]
+    assert flops[0] > flops[1] >= flops[2], flops
+
+
+def test_deepseek_v3_is_predicted_only_where_it_fits(tmp_path: Path) -> None:
+    rows, stdout = _predict(tmp_path, "deepseek-v3-moe", "64,128,1024")
+    auto = _auto(rows)
+    assert not auto[64]["fits"] and "at 64 ranks" in stdout and "does not fit" in stdout
+    assert all(auto[n]["memory_bytes_per_rank"] <= 80e9 for n in (128, 1024))
+    assert auto[1024]["step_s"] < auto[128]["step_s"]
+
+
+def test_the_shard_size_is_the_smallest_that_fits_from_shapes_alone() -> None:
+    # 1e9 Muon elements and 1e8 AdamW: fp32 params and grads (8 B) and the state (4 B, 8 B)
+    params = Params("1.1B", (((1000, 1000), 1000),), 100_000_000)
+    per_rank = 1000 * 1000 * 1000 * 12 + 100_000_000 * 16
+    assert memory_per_rank(params, 8) == per_rank // 8
+    assert memory_per_rank(params, 8, param_bytes=2) == (per_rank - 1_100_000_000 * 4) // 8
+    small = dataclasses.replace(PROFILE, device_memory_bytes=per_rank / 30)
+    assert shard_size(params, 64, small) == 32  # the smallest multiple of a node that fits
+    assert shard_size(params, 8, small) == 8  # none fits: all ranks, and the row says so
+    (row, _) = predictions(params, [8], small)[:2]
+    assert not row.fits and row.step_s is None
+    with pytest.raises(SystemExit, match="--shard-size 3 does not divide 8 ranks"):
+        predictions(params, [8], small, shards=3)
 
 
 def test_a_hugging_face_config_is_read_like_the_built_in_shape(tmp_path: Path) -> None:

@@ -296,16 +296,25 @@ def map_held_blocks(
 
 
 def assign_owners(
-    costs: Sequence[float], world_size: int, loads: list[float] | None = None
+    costs: Sequence[float], world_size: int, loads: list[float] | None = None, rows: int = 1
 ) -> list[int]:
     """Greedy longest-processing-time assignment: each item to the least-loaded rank.
 
     Items are taken from the most to the least costly; ties go to the lower
     rank, so every rank computes the same assignment. ``loads`` (one per
     rank) carries the load of earlier calls and is updated in place.
+
+    ``rows``: the ranks are that many rows of consecutive ranks, and ties go
+    round the rows first (rank 0, then the first of row 1, ...), so each
+    row gets a like mix of large and small items (a divisor of
+    ``world_size``; not with ``loads``).
     """
     if world_size < 1:
         raise HyperParallelValueError(f"world_size must be >= 1, got {world_size}")
+    if rows > 1 and (world_size % rows or loads is not None):
+        raise HyperParallelValueError(
+            f"rows={rows} must divide world_size={world_size}, without loads"
+        )
     current = loads if loads is not None else [0.0] * world_size
     heap = [(load, rank) for rank, load in enumerate(current)]
     heapq.heapify(heap)
@@ -315,7 +324,8 @@ def assign_owners(
         owners[index] = rank
         current[rank] = load + costs[index]
         heapq.heappush(heap, (current[rank], rank))
-    return owners
+    per_row = world_size // rows
+    return [b % rows * per_row + b // rows for b in owners]
 
 
 def exchange_rounds(

@@ -242,7 +242,7 @@ def make_plan(
     if size > 1:
         assert team is not None
         costs = [team.cost(tensors[i].shape, size) for i in moving]
-    owners = assign_owners(costs, world // size)
+    owners = assign_owners(costs, world // size, rows=row_count(len(set(rows)), world // size))
     works = [
         _works(i, tensors[i].shape, owner, size, layouts[i], team, rows)
         for i, owner in zip(moving, owners, strict=True)
@@ -261,6 +261,11 @@ def make_plan(
     return ExchangePlan(
         group, rank, mine, in_place, buckets, _team_group(group, rank, size, teams), column
     )
+
+
+def row_count(rows: int, bins: int) -> int:
+    """The rows owners are spread over (:func:`assign_owners`): ``rows`` where they divide ``bins``."""
+    return rows if bins % rows == 0 else 1
 
 
 def _replica_group_size(
