@@ -150,9 +150,14 @@ def rank_bytes(trip: Trip, transport: str, element_size: int = 4) -> torch.Tenso
                         dtype=torch.float64)  # fmt: skip
 
 
-#: The Muon group the model plans with: its defaults (Keller's coefficients, 5 steps).
-MUON_GROUP = {"ns_coefficients": "keller", "ns_steps": NS_STEPS, "matrix_view": "auto",
-              "eps": 1e-7, "matched_adamw_rms": None, "adjust_lr_fn": None}  # fmt: skip
+@functools.cache
+def muon_group() -> dict[str, Any]:
+    """The Muon param group the model plans and calibrates with: Muon's defaults."""
+    from hyper_parallel_builtins.muon import Muon
+
+    group = dict(Muon([torch.nn.Parameter(torch.zeros(2, 2))]).param_groups[0])
+    del group["params"]
+    return group
 
 
 @dataclass
@@ -191,7 +196,7 @@ def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype
     from hyper_parallel_builtins.muon import MuonTeam
     from hyper_parallel_builtins.newton_schulz import newton_schulz_flops, resolve_ns_method
 
-    team = MuonTeam(MUON_GROUP, ns_dtype)
+    team = MuonTeam(muon_group(), ns_dtype)
     shapes = [torch.Size(shape) for shape, n in params.matrices for _ in range(n)]
     methods = [resolve_ns_method("auto", r, c, torch.device(device)) for r, c in shapes]
     flops = [
@@ -337,8 +342,10 @@ def predict(params: Params, ranks: int, shards: int, transport: str, profile: De
     trips = sum(transport_seconds(t, TRAVEL_BYTES, transport, profile)
                 for ts in plan.trips for t in ts)  # fmt: skip
     spread_s, spread_bytes = _spread(plan, profile)
-    moved = plan.team_bytes + spread_bytes + sum(
-        rank_bytes(t, transport, TRAVEL_BYTES) for ts in plan.trips for t in ts
+    moved = (
+        plan.team_bytes
+        + spread_bytes
+        + sum(rank_bytes(t, transport, TRAVEL_BYTES) for ts in plan.trips for t in ts)
     )
     busiest = float(plan.flops.max())
     ns = sum(plan.bucket_seconds)  # each bucket waits for its busiest member
@@ -383,7 +390,9 @@ def shard_size(params: Params, ranks: int, profile: DeviceProfile, param_bytes: 
     node = min(RANKS_PER_NODE, ranks)
     sizes = [s for s in range(node, ranks + 1) if ranks % s == 0 and s % node == 0]
     limit = profile.device_memory_bytes
-    fitting = [s for s in sizes if limit is None or memory_per_rank(params, s, param_bytes) <= limit]
+    fitting = [
+        s for s in sizes if limit is None or memory_per_rank(params, s, param_bytes) <= limit
+    ]
     return fitting[0] if fitting else sizes[-1]
 
 
@@ -467,14 +476,70 @@ def describe(rows: Sequence[Prediction], ranks: int, profile: DeviceProfile) -> 
 # ---------------------------------------------------------------- measuring here
 
 
-def _spawn(worker: Callable[..., None], *args: Any) -> Any:
-    """Run ``worker(rank, world_size, out, *args)`` on 2 gloo ranks; what rank 0 wrote to ``out``."""
+def _spawn(worker: Callable[..., None], *args: Any, world_size: int = 2) -> Any:
+    """Run ``worker(rank, world_size, out, *args)`` on gloo ranks; what rank 0 wrote to ``out``."""
     from hyper_parallel.testing import run_distributed
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
-        run_distributed(worker, world_size=2, args=(str(out), *args))
+        run_distributed(worker, world_size=world_size, args=(str(out), *args))
         return json.loads(out.read_text())
+
+
+#: Workers ``--worker`` runs under torchrun, by name.
+WORKERS: dict[str, Callable[..., None]] = {}
+
+
+def _two_nodes(worker: Callable[..., None], *args: Any) -> Any:
+    """Run ``worker`` under two torchrun agents of 2 ranks each on this host (a two-node job).
+
+    What rank 0 wrote to ``out``; each agent's output if either fails.
+    """
+    import subprocess
+
+    from hyper_parallel.testing import free_port
+
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        call = json.dumps([worker.__name__, str(out), *args])
+        endpoint = f"localhost:{free_port()}"
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                  "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint,
+                  "--rdzv_id", "scale-validate"]  # fmt: skip
+        agents = [
+            subprocess.Popen(
+                [*launch, "--node_rank", str(node), "-m", "benchmarks.scale", "--worker", call],
+                cwd=root,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for node in (0, 1)
+        ]
+        outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+        if any(agent.returncode for agent in agents):
+            raise RuntimeError("two-node validation failed:\n" + "\n".join(outputs)[-4000:])
+        return json.loads(out.read_text())
+
+
+def _run_worker(call: str) -> int:
+    """``--worker``: one rank of a torchrun job (one thread, gloo) running a named worker."""
+    import torch.distributed as dist
+
+    name, out, *args = json.loads(call)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        WORKERS[name](dist.get_rank(), dist.get_world_size(), out, *args)
+    finally:
+        dist.destroy_process_group()
+    return 0
 
 
 #: Timed calls per figure. Each figure is the fastest of them: on a shared machine
@@ -502,26 +567,49 @@ def _fit(points: list[tuple[float, float]]) -> LinkCost:
 TRIP_ROWS = (16, 128, 512, 2048)
 
 
-def _calibrate_worker(rank: int, world_size: int, out: str, team_dtype: str) -> None:
+def _calibrate_worker(rank: int, world_size: int, out: str, team_dtype: str, replicas: int) -> None:
     links = {t: [_trip_point(rows, t) for rows in TRIP_ROWS] for t in TRANSPORTS}
-    # fixed costs per matrix: steps on 16 and on 64 tiny matrices (one bucket each)
-    overhead = [(float(n), _muon_step_seconds([(8, 8)] * n, "all_to_all")) for n in (16, 64)]
+    # fixed costs per matrix: steps on 16 and on 64 tiny matrices (one bucket each), laid
+    # out as the steps to predict are (HSDP where replicas share the work)
+    overhead = [
+        (float(n), _muon_step_seconds([(8, 8)] * n, "all_to_all", replicas)) for n in (16, 64)
+    ]
     # Newton-Schulz on every rank at once, as the ranks of a step compute
     flops = {**_ns_points(torch.float32, (128, 256, 512, 1024)),
              **_ns_points(torch.bfloat16, (128, 256, 512))}  # fmt: skip
-    team = [(side, _team_seconds(side, getattr(torch, team_dtype))) for side in TEAM_SIDES]
+    team = []
+    if world_size == 2:  # teams of both ranks
+        team = [(side, _team_seconds(side, getattr(torch, team_dtype))) for side in TEAM_SIDES]
+    memory = _memory_bandwidth()
     if rank == 0:
         Path(out).write_text(json.dumps({"links": links, "overhead": overhead, "flops": flops,
-                                         "team": team}))  # fmt: skip
+                                         "team": team, "memory": memory}))  # fmt: skip
+
+
+def _memory_bandwidth() -> float:
+    """Bytes per second of element-wise work (a momentum lerp), on every rank at once."""
+    import torch.distributed as dist
+
+    buffers = [torch.zeros(1 << 22) for _ in range(2)]
+    grads = [torch.randn(1 << 22) for _ in range(2)]
+    torch._foreach_lerp_(buffers, grads, 0.05)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(5):
+        torch._foreach_lerp_(buffers, grads, 0.05)
+    return 5 * 3 * 4 * (2 << 22) / (time.perf_counter() - start)
 
 
 def _trip_point(rows: int, transport: str) -> tuple[float, float]:
     """Bytes and seconds of one trip of the owner exchange itself, by ``transport``.
 
-    One ``(rows, 512)`` matrix, row-sharded over the 2 ranks, goes to its
-    owner and back unchanged (two trips, each moving half of it): what a
-    step pays per trip, packing and landing included.
+    One ``(rows, 512)`` matrix, row-sharded over the ranks, goes to its
+    owner and back unchanged (two trips; the owner receives, then sends,
+    all but its own shard): what a step pays per trip, packing and landing
+    included.
     """
+    import torch.distributed as dist
+
     from hyper_parallel.core.distributed import WholeMatrices
     from hyper_parallel_builtins.fsdp_backend import FSDPBackend
 
@@ -529,33 +617,52 @@ def _trip_point(rows: int, transport: str) -> tuple[float, float]:
     (matrix,) = _sharded_matrices([(rows, 512)])
     trip = functools.partial(backend.map_blocks, lambda blocks: [b.clone() for b in blocks],
                              [matrix.detach()], [WholeMatrices()])  # fmt: skip
-    return rows * 512 // 2 * 4, fastest_seconds(trip, 2 * REPEATS) / 2  # cheap: more calls
+    world, nbytes = dist.get_world_size(), rows * 512 * 4
+    # the model's count of the busiest rank's bytes per trip, over both trips: all_to_all,
+    # the owner's (world - 1) / world of the matrix each way; all_gather, (world - 1) ring
+    # steps of the widest contribution, a shard on the way there and all but one back
+    moved = nbytes * (world - 1) // (world if transport == "all_to_all" else 2)
+    return moved, fastest_seconds(trip, 2 * REPEATS) / 2  # cheap: more calls
 
 
-def _sharded_matrices(shapes: Sequence[tuple[int, int]]) -> list[Any]:
-    """Muon params of these shapes, row-sharded over the 2 ranks, with gradients."""
+def _sharded_matrices(shapes: Sequence[tuple[int, int]], replicas: int = 1) -> list[Any]:
+    """Muon params of these shapes, row-sharded over the ranks, with gradients.
+
+    ``replicas > 1``: HSDP, replicated over the first dim of a ``(replicas,
+    ranks // replicas)`` mesh and row-sharded over the second.
+    """
+    import torch.distributed as dist
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (2,))
+    world = dist.get_world_size()
+    shape_of_mesh = (world,) if replicas == 1 else (replicas, world // replicas)
+    mesh = init_device_mesh("cpu", shape_of_mesh)
+    placements = [Shard(0)] if replicas == 1 else [Replicate(), Shard(0)]
     gen = torch.Generator().manual_seed(0)
     params = []
     for shape in shapes:
         full = torch.randn(shape, generator=gen) * 0.02
-        p = nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
-        p.grad = distribute_tensor(torch.randn(shape, generator=gen), mesh, [Shard(0)])
+        p = nn.Parameter(distribute_tensor(full, mesh, placements))
+        p.grad = distribute_tensor(torch.randn(shape, generator=gen), mesh, placements)
         params.append(p)
     return params
 
 
-def _muon_step_seconds(shapes: Sequence[tuple[int, int]], transport: str) -> float:
-    """One Muon step (fsdp, no overlap, ``transport``) on these matrices, the fastest of 7."""
+def _muon_step_seconds(
+    shapes: Sequence[tuple[int, int]], transport: str, replicas: int = 1
+) -> float:
+    """One Muon step (fsdp, no overlap, ``transport``) on these matrices, the fastest of 7.
+
+    ``replicas > 1``: HSDP, every replica sharing the work (:func:`_sharded_matrices`).
+    """
     from hyper_parallel_builtins.muon import Muon
 
     os.environ.update(HYPER_PARALLEL_EXCHANGE_OVERLAP="0", HYPER_PARALLEL_TRANSPORT=transport,
                       HYPER_PARALLEL_TEAM_SIZE="1")  # fmt: skip
-    opt = Muon(_sharded_matrices(shapes), lr=0.02, sharding="fsdp")
+    opt = Muon(_sharded_matrices(shapes, replicas), lr=0.02, sharding="fsdp",
+               hsdp_replica_count=replicas)  # fmt: skip
     return fastest_seconds(opt.step)
 
 
@@ -570,7 +677,7 @@ def _team_seconds(side: int, dtype: torch.dtype) -> float:
 
     from hyper_parallel_builtins.muon import MuonTeam
 
-    team = MuonTeam(MUON_GROUP, dtype)
+    team = MuonTeam(muon_group(), dtype)
     half = torch.randn(side, side // 2)
     run = functools.partial(team, [half], [torch.Size((side, side))], dist.group.WORLD)
     return _cold_median(run, 2 * REPEATS)  # its waits vary more than compute does
@@ -587,7 +694,7 @@ def fit_team_link(
     """
     from hyper_parallel_builtins.muon import MuonTeam
 
-    team, name = MuonTeam(MUON_GROUP, dtype), str(dtype).removeprefix("torch.")
+    team, name = MuonTeam(muon_group(), dtype), str(dtype).removeprefix("torch.")
     points = []
     for side, seconds in measured:
         shape = torch.Size((side, side))
@@ -663,41 +770,42 @@ def _cold_median(run: Callable[[], object], repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def calibrate(team_dtype: torch.dtype | None = None) -> DeviceProfile:
-    """Measure this machine at 2 gloo ranks of one thread each.
+def calibrate(
+    team_dtype: torch.dtype | None = None, ranks: int = 2, replicas: int = 1
+) -> DeviceProfile:
+    """Measure this machine at ``ranks`` gloo ranks of one thread each, all at once.
 
-    * each transport's latency and seconds per byte, fitted over trips of
-      the owner exchange itself (:data:`TRIP_ROWS`);
+    * each transport's latency (per message or ring step: the busiest
+      rank's ``ranks - 1``) and seconds per byte, fitted over trips of the
+      owner exchange itself (:data:`TRIP_ROWS`);
     * Newton-Schulz FLOP/s by dtype, short side and method (``_ns_points``);
-    * the team link (``node_link``): what teams of both ranks take beyond
-      their FLOPs, in ``team_dtype`` (default: Muon's default here);
-    * element-wise bandwidth and the fixed cost per matrix of a step.
+    * at 2 ranks, the team link (``node_link``): what teams of both ranks
+      take beyond their FLOPs, in ``team_dtype`` (default: Muon's default here);
+    * element-wise bandwidth and the fixed cost per matrix of a step (on
+      HSDP with ``replicas`` sharing the work, where ``replicas > 1``).
+
+    Where the ranks outnumber the cores, they share them, and so do the figures.
     """
     team_dtype = team_dtype or _default_ns_dtype()
-    measured = _spawn(_calibrate_worker, str(team_dtype).removeprefix("torch."))
-    links = measured["links"]
+    dtype = str(team_dtype).removeprefix("torch.")
+    measured = _spawn(_calibrate_worker, dtype, replicas, world_size=ranks)
+    links = {
+        t: dataclasses.replace(fit, latency_s=fit.latency_s / (ranks - 1))
+        for t, fit in ((t, _fit(measured["links"][t])) for t in TRANSPORTS)
+    }
     (few, t_few), (many, t_many) = measured["overhead"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank of the validation runs
-    try:
-        buffers = [torch.zeros(1 << 22) for _ in range(2)]
-        grads = [torch.randn(1 << 22) for _ in range(2)]
-        torch._foreach_lerp_(buffers, grads, 0.05)
-        start = time.perf_counter()
-        for _ in range(5):
-            torch._foreach_lerp_(buffers, grads, 0.05)
-        memory = 5 * 3 * 4 * (2 << 22) / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
     profile = DeviceProfile(
-        name="measured-here",
-        all_to_all=_fit([(b, s) for b, s in links["all_to_all"]]),
-        all_gather=_fit([(b, s) for b, s in links["all_gather"]]),
+        name="measured-here" if ranks == 2 else f"measured-here-{ranks}",
+        all_to_all=links["all_to_all"],
+        all_gather=links["all_gather"],
         matmul_flops=measured["flops"],
-        memory_bytes_per_s=memory,
+        memory_bytes_per_s=measured["memory"],
         overhead_per_matrix_s=max(0.0, (t_many - t_few) / (many - few)),
-        source="python -m benchmarks.scale --calibrate (2 gloo ranks of 1 thread, this machine)",
+        source=f"python -m benchmarks.scale --calibrate ({ranks} gloo ranks of 1 thread, "
+        "this machine)",
     )
+    if not measured["team"]:
+        return profile
     return dataclasses.replace(
         profile, node_link=fit_team_link(measured["team"], profile, team_dtype)
     )
@@ -744,52 +852,70 @@ class _Counting:
 def _validate_worker(
     rank: int, world_size: int, out: str, cases: list[list[int]], ns_dtype: str
 ) -> None:
+    """Each case ``(dim, layers, team size, replicas)`` by each transport: seconds and bytes.
+
+    With ``replicas > 1`` the params are HSDP-sharded on a ``(replicas,
+    world_size // replicas)`` mesh and all replicas share the work
+    (``hsdp_replica_count=replicas``).
+    """
     import torch.distributed as dist
 
     from benchmarks.suite import transformer_shapes
     from hyper_parallel_builtins.muon import Muon
 
     records = []
-    for dim, layers, team_size in cases:
+    for dim, layers, team_size, replicas in cases:
         for transport in TRANSPORTS:
             shapes = transformer_shapes(dim, layers)
             os.environ.update(HYPER_PARALLEL_EXCHANGE_OVERLAP="0", HYPER_PARALLEL_TRANSPORT=transport,
                               HYPER_PARALLEL_TEAM_SIZE=str(team_size))  # fmt: skip
-            opt = Muon(_sharded_matrices(shapes), lr=0.02, sharding="fsdp",
-                       ns_dtype=getattr(torch, ns_dtype))  # fmt: skip
+            opt = Muon(_sharded_matrices(shapes, replicas), lr=0.02, sharding="fsdp",
+                       ns_dtype=getattr(torch, ns_dtype), hsdp_replica_count=replicas)  # fmt: skip
             opt.step()  # the plan and the momentum
             with _Counting() as counted:
                 opt.step()
             seconds = fastest_seconds(opt.step)
-            moved: list[Any] = [None, None]
+            moved: list[Any] = [None] * world_size
             dist.all_gather_object(moved, counted.bytes)
             records.append({"dim": dim, "layers": layers, "team_size": team_size,
-                            "transport": transport, "measured_s": seconds,
-                            "measured_bytes": max(moved)})  # fmt: skip
+                            "replicas": replicas, "ranks": world_size, "transport": transport,
+                            "measured_s": seconds, "measured_bytes": max(moved)})  # fmt: skip
     if rank == 0:
         Path(out).write_text(json.dumps(records))
 
 
-def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int, int]],
-             ns_dtype: torch.dtype | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """Measured against predicted at 2 ranks: each case (dim, layers, team size) by each transport.
+WORKERS["_validate_worker"] = _validate_worker
 
-    ``ns_dtype``: Muon's Newton-Schulz dtype (default: Muon's default here).
+
+def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int, int, int]],
+             ns_dtype: torch.dtype | None = None, ranks: int = 2,
+             two_nodes: bool = False) -> list[dict[str, Any]]:  # fmt: skip
+    """Measured against predicted: each case (dim, layers, team size, replicas) by each transport.
+
+    On ``ranks`` spawned processes, or (``two_nodes``) on two torchrun agents
+    of 2. ``ns_dtype``: Muon's Newton-Schulz dtype (default: Muon's default
+    here). Each row's ``"mesh"`` says where it ran.
     """
     from benchmarks.suite import transformer_shapes
 
     ns_dtype = ns_dtype or _default_ns_dtype()
+    args = ([list(c) for c in cases], str(ns_dtype).removeprefix("torch."))
+    if two_nodes:
+        records, mesh = _two_nodes(_validate_worker, *args), "2 nodes x 2"
+    else:
+        records, mesh = _spawn(_validate_worker, *args, world_size=ranks), f"{ranks} processes"
     rows = []
-    for record in _spawn(
-        _validate_worker, [list(c) for c in cases], str(ns_dtype).removeprefix("torch.")
-    ):
+    for record in records:
         shapes = transformer_shapes(record["dim"], record["layers"])
         params = Params(f"d={record['dim']}", tuple((s, 1) for s in shapes), 0)
-        team_size = record["team_size"]
-        plan = plan_exchange(params, 2, 2, ns_dtype, profile, device="cpu", team_size=team_size)
-        p = predict(params, 2, 2, record["transport"], profile, ns_dtype, plan=plan)
-        rows.append({"ranks": 2, "dim": record["dim"], "layers": record["layers"],
-                     "team_size": team_size,
+        n, replicas = record["ranks"], record["replicas"]
+        shards = n // replicas
+        plan = plan_exchange(params, n, shards, ns_dtype, profile, device="cpu",
+                             team_size=record["team_size"], replica_group=replicas)  # fmt: skip
+        p = predict(params, n, shards, record["transport"], profile, ns_dtype, plan=plan)
+        assert p.step_s is not None
+        rows.append({"mesh": mesh, "ranks": n, "replicas": replicas, "dim": record["dim"],
+                     "layers": record["layers"], "team_size": record["team_size"],
                      "transport": record["transport"], "predicted_s": p.step_s,
                      "measured_s": record["measured_s"], "predicted_bytes": p.bytes_per_rank,
                      "measured_bytes": record["measured_bytes"]})  # fmt: skip
@@ -798,9 +924,14 @@ def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int, int]],
 
 # ---------------------------------------------------------------- command line
 
-#: The validation's models: (dim, layers, ranks per matrix), each a few seconds a step at
-#: 2 ranks; the last shares every matrix between both ranks (``team_size=2``).
-VALIDATION_CASES = ((256, 2, 1), (512, 1, 1), (512, 1, 2))
+#: The validation's models at 2 ranks: (dim, layers, ranks per matrix, replicas), each a
+#: few seconds a step; the last shares every matrix between both ranks (``team_size=2``).
+VALIDATION_CASES = ((256, 2, 1, 1), (512, 1, 1, 1), (512, 1, 2, 1))
+#: With replicas: HSDP (2, 2) on 4 processes, and on two torchrun agents of 2, where the
+#: two replicas share the work (``hsdp_replica_count=2``) and spread the results. Four
+#: processes share 2 cores here, so the models are those whose steps outweigh the fixed
+#: costs of a collective that waits on a descheduled rank (``docs/scale.md``).
+REPLICA_CASES = ((512, 1, 1, 2), (512, 2, 1, 2))
 
 
 def _load_params(name: str) -> Params:
@@ -813,11 +944,11 @@ def _load_params(name: str) -> Params:
 
 
 def _print_validation(rows: list[dict[str, Any]]) -> None:
-    print("ranks  dim  layers  team  transport   predicted_s  measured_s  ratio  predicted_B  "
-          "measured_B")  # fmt: skip
+    print("mesh           ranks replicas  dim  layers  team  transport   predicted_s  measured_s  "
+          "ratio  predicted_B  measured_B")  # fmt: skip
     for r in rows:
-        print(f"{r['ranks']:5d} {r['dim']:4d} {r['layers']:6d} {r['team_size']:5d}  "
-              f"{r['transport']:10s} "
+        print(f"{r['mesh']:14s} {r['ranks']:5d} {r['replicas']:8d} {r['dim']:4d} {r['layers']:6d} "
+              f"{r['team_size']:5d}  {r['transport']:10s} "
               f"{r['predicted_s']:11.4f} {r['measured_s']:11.4f} "
               f"{r['predicted_s'] / r['measured_s']:6.2f} {r['predicted_bytes']:12d} "
               f"{r['measured_bytes']:11d}")  # fmt: skip
@@ -846,7 +977,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ns-dtype", choices=("float32", "bfloat16"),
                         help="Newton-Schulz dtype of --validate's steps and of the teams "
                              "--calibrate times (default: Muon's default here)")  # fmt: skip
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one rank of a torchrun job
     args = parser.parse_args(argv)
+    if args.worker:
+        return _run_worker(args.worker)
     ns_dtype = getattr(torch, args.ns_dtype) if args.ns_dtype else None
     if not (args.calibrate or args.validate or args.model):
         parser.error("give --calibrate, --validate or --model")
@@ -859,7 +993,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"calibrated: {json.dumps(dataclasses.asdict(profile))}")
     if args.validate:
         assert profile is not None
-        result["validation"] = validate(profile, VALIDATION_CASES, ns_dtype)
+        four = calibrate(ns_dtype, ranks=4, replicas=2)  # 4 ranks share this machine's cores
+        print(f"calibrated at 4 ranks: {json.dumps(dataclasses.asdict(four))}")
+        result["validation"] = [
+            *validate(profile, VALIDATION_CASES, ns_dtype),
+            *validate(four, REPLICA_CASES, ns_dtype, ranks=4),
+            *validate(four, REPLICA_CASES, ns_dtype, two_nodes=True),
+        ]
         _print_validation(result["validation"])
     if args.model:
         params = _load_params(args.model)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.scale import muon_group
 from hyper_parallel_builtins.fsdp_backend.cost import (
     PROFILE_ENV,
     DeviceProfile,
@@ -128,12 +129,10 @@ FAST_TEAMS = DeviceProfile(
     all_gather=LinkCost(latency_s=1e-6, seconds_per_byte=1e-12),
     matmul_flops={"float32": [[64.0, 1e10]]},
 )
-MUON_GROUP = {"ns_coefficients": "keller", "ns_steps": 5, "matrix_view": "auto", "eps": 1e-7,
-              "matched_adamw_rms": None, "adjust_lr_fn": None}  # fmt: skip
 
 
 def test_teams_are_chosen_where_the_model_predicts_them_faster() -> None:
-    team = MuonTeam(MUON_GROUP, torch.float32)
+    team = MuonTeam(muon_group(), torch.float32)
     shapes = [torch.Size((4096, 1024))] + [torch.Size((256, 256))] * 3
     flops = [newton_schulz_flops(*s, 5, "standard") for s in shapes]
     size = choose_team_size(shapes, flops, team, 8, FAST_TEAMS)
@@ -142,7 +141,9 @@ def test_teams_are_chosen_where_the_model_predicts_them_faster() -> None:
     assert choose_team_size(shapes, flops, team, 8, slow) == 1  # talking costs more than it saves
     assert choose_team_size(shapes, flops, team, 8, None) == 1  # no profile: one owner each
     # no matmul rate for the team's dtype (float64 here): nothing to decide by, one owner each
-    assert choose_team_size(shapes, flops, MuonTeam(MUON_GROUP, torch.float64), 8, FAST_TEAMS) == 1
+    assert (
+        choose_team_size(shapes, flops, MuonTeam(muon_group(), torch.float64), 8, FAST_TEAMS) == 1
+    )
     # slow between nodes, fast within one: teams stay inside a node of 2
     nodes = dataclasses.replace(slow, node_link=FAST_TEAMS.all_gather)
     assert choose_team_size(shapes, flops, team, 8, nodes, node_size=2) == 2

@@ -29,10 +29,6 @@ from hyper_parallel_builtins.fsdp_backend.cost import (
 )
 from hyper_parallel_builtins.muon import MuonTeam
 
-#: The Muon group teams are priced with (``benchmarks.scale`` uses the same defaults).
-MUON_GROUP = {"ns_coefficients": "keller", "ns_steps": 5, "matrix_view": "auto", "eps": 1e-7,
-              "matched_adamw_rms": None, "adjust_lr_fn": None}  # fmt: skip
-
 STEPS = 3
 TESTS = Path(__file__).resolve().parent
 
@@ -53,11 +49,12 @@ def _llama_like(layers: int) -> list[torch.Size]:
 
 
 def _choice(layers: int, profile: DeviceProfile | None, replicas: int = 16) -> int:
+    from benchmarks.scale import muon_group
     from hyper_parallel_builtins.newton_schulz import newton_schulz_flops
 
     shapes = _llama_like(layers)
     flops = [newton_schulz_flops(r, c, 5, "standard") for r, c in shapes]
-    team = MuonTeam(MUON_GROUP, torch.bfloat16)
+    team = MuonTeam(muon_group(), torch.bfloat16)
     return choose_replica_group(shapes, flops, team, 8, replicas, profile, node_size=8)
 
 
@@ -72,7 +69,9 @@ def test_replica_groups_weigh_the_flops_they_save_against_the_bytes_that_spread_
     assert 1 < few < 16 and 16 % few == 0
     assert _choice(4, None) == 16  # no profile: every replica shares the work once
     # a fixed team size must divide the group's ranks: teams of 64 need 8 rows of 8
-    shapes, team = _llama_like(1), MuonTeam(MUON_GROUP, torch.bfloat16)
+    from benchmarks.scale import muon_group
+
+    shapes, team = _llama_like(1), MuonTeam(muon_group(), torch.bfloat16)
     flops = [1e12] * len(shapes)
     assert choose_replica_group(shapes, flops, team, 8, 16, slow_link, 8, 4, 64) == 8
 

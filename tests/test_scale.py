@@ -19,11 +19,11 @@ import torch
 
 from benchmarks.scale import (
     MODELS,
-    MUON_GROUP,
     PREDICTION_KEYS,
     Params,
     fit_team_link,
     memory_per_rank,
+    muon_group,
     plan_exchange,
     predictions,
     shard_size,
@@ -46,7 +46,7 @@ def test_predicted_bytes_are_the_bytes_each_transport_moves_at_two_ranks(
     ns_dtype: torch.dtype,
 ) -> None:
     # in bfloat16 a team's Gram matrices travel in 2 bytes, its norms in 4 (float32 sums)
-    rows = validate(PROFILE, [(64, 1, 1), (64, 1, 2)], ns_dtype)
+    rows = validate(PROFILE, [(64, 1, 1, 1), (64, 1, 2, 1)], ns_dtype)
     assert [(r["transport"], r["team_size"]) for r in rows] == [
         ("all_to_all", 1),
         ("all_gather", 1),
@@ -58,11 +58,20 @@ def test_predicted_bytes_are_the_bytes_each_transport_moves_at_two_ranks(
         assert row["predicted_s"] > 0 and row["measured_s"] > 0
 
 
+@pytest.mark.parametrize("two_nodes", [False, True], ids=["hsdp 2x2", "2 nodes x 2"])
+def test_predicted_bytes_are_exact_where_replicas_share_the_work(two_nodes: bool) -> None:
+    # the trips within each replica row, and the spread over the column of replicas
+    rows = validate(PROFILE, [(64, 2, 1, 2)], torch.float32, ranks=4, two_nodes=two_nodes)
+    assert [(r["ranks"], r["replicas"]) for r in rows] == [(4, 2), (4, 2)]
+    for row in rows:
+        assert row["predicted_bytes"] == row["measured_bytes"] > 0, row
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_calibration_reads_the_team_link_off_what_teams_take_beyond_their_flops(
     dtype: torch.dtype,
 ) -> None:
-    link, team = LinkCost(latency_s=2e-4, seconds_per_byte=3e-9), MuonTeam(MUON_GROUP, dtype)
+    link, team = LinkCost(latency_s=2e-4, seconds_per_byte=3e-9), MuonTeam(muon_group(), dtype)
     measured = []
     for side in (128, 256, 512):
         shape = torch.Size((side, side))

@@ -223,7 +223,9 @@ def make_plan(
     moving = [i for i in range(len(tensors)) if i not in in_place]
     measure = cost or (lambda shape: float(math.prod(shape)))
     costs = [sum(measure(s) for s in _block_shapes(tensors[i].shape, needs[i])) for i in moving]
-    rows, column, column_rows = [0] * dist.get_world_size(group), None, ()
+    rows: list[int] = [0] * dist.get_world_size(group)
+    column: ProcessGroup | None = None
+    column_rows: tuple[int, ...] = ()
     if replicas is not None and moving:
         count = _replica_group_size(replicas, [tensors[i] for i in moving],
                                     [needs[i] for i in moving], costs, group, options)  # fmt: skip
