@@ -146,6 +146,26 @@ def _check_spread(optimizer: Any, count: int, shards: int) -> None:
         assert all(g.source != BACK or g.peer // shards == row for g in bucket.land)
 
 
+def _check_buckets_in_turn(
+    initial: torch.nn.Module, mesh: Any, batch: torch.Tensor, count: int, overlapped: Any
+) -> None:
+    """One matrix per bucket, overlapped and in turn: bitwise the params of one bucket."""
+    from test_distributed_muon import assert_bitwise_equal, exchange_options
+    from torch.distributed.fsdp import fully_shard
+
+    trained = []
+    for overlap in (True, False):
+        model = copy.deepcopy(initial)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with exchange_options(overlap=overlap, team_size="1"):
+            _train(model, _muon(model, count), batch)
+        trained.append(model)
+    assert_bitwise_equal(trained[0], trained[1], f"hsdp_replica_count={count}, in turn")
+    assert_bitwise_equal(trained[0], overlapped, f"hsdp_replica_count={count}, buckets")
+
+
 def check_replicas_equal_one_process(rank: int, world_size: int) -> None:
     """Every optimizer on a (2, 2) HSDP mesh, each replica count: one process's params."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -180,6 +200,7 @@ def check_replicas_equal_one_process(rank: int, world_size: int) -> None:
                 dist.all_gather_object(done, sum(calls))
                 # 14 matrices a step, computed once per group of replicas
                 assert sum(done) == STEPS * 14 * (2 // count), (label, done)
+                _check_buckets_in_turn(initial, mesh, batch[rank : rank + 1], count, model)
 
 
 def test_replicas_share_the_work_and_equal_one_process_on_hsdp_2x2() -> None:
