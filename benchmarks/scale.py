@@ -192,7 +192,6 @@ def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype
     """
     from hyper_parallel.core.distributed.toolkit import assign_owners, exchange_rounds
     from hyper_parallel_builtins.fsdp_backend import bucket_bytes
-    from hyper_parallel_builtins.fsdp_backend._plan import row_count
     from hyper_parallel_builtins.muon import MuonTeam
     from hyper_parallel_builtins.newton_schulz import newton_schulz_flops, resolve_ns_method
 
@@ -212,7 +211,7 @@ def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype
     link = team_link(profile, size, node)
     if size > 1:  # teams run the standard iteration
         flops, methods = [team.cost(s, size) for s in shapes], ["standard"] * len(shapes)
-    owners = assign_owners(flops, world // size, rows=row_count(group, world // size))
+    owners = assign_owners(flops, world // size, rows=group)
     element_size = torch.empty(0, dtype=ns_dtype).element_size()
     seconds, moved = [], []
     for shape, f, method in zip(shapes, flops, methods, strict=True):

@@ -306,15 +306,14 @@ def assign_owners(
 
     ``rows``: the ranks are that many rows of consecutive ranks, and ties go
     round the rows first (rank 0, then the first of row 1, ...), so each
-    row gets a like mix of large and small items (a divisor of
-    ``world_size``; not with ``loads``).
+    row gets a like mix of large and small items. Rows that do not divide
+    ``world_size`` are one row. Not with ``loads``.
     """
     if world_size < 1:
         raise HyperParallelValueError(f"world_size must be >= 1, got {world_size}")
-    if rows > 1 and (world_size % rows or loads is not None):
-        raise HyperParallelValueError(
-            f"rows={rows} must divide world_size={world_size}, without loads"
-        )
+    if rows > 1 and loads is not None:
+        raise HyperParallelValueError("assign_owners takes rows or loads, not both")
+    rows = rows if world_size % rows == 0 else 1
     current = loads if loads is not None else [0.0] * world_size
     heap = [(load, rank) for rank, load in enumerate(current)]
     heapq.heapify(heap)

@@ -229,14 +229,9 @@ def make_plan(
     if replicas is not None and moving:
         count = _replica_group_size(replicas, [tensors[i] for i in moving],
                                     [needs[i] for i in moving], costs, group, options)  # fmt: skip
-        group, column = replicas.split(count)
+        group, column, rows, column_rows = _replica_group(replicas, count)
         members = dist.get_process_group_ranks(group)
         layouts = [[lay[r] for r in members] for lay in layouts]
-        first = min(replicas.row_of(r) for r in members)
-        rows = [replicas.row_of(r) - first for r in members]
-        if column is not None:
-            column_rows = tuple(replicas.row_of(r) - first
-                                for r in dist.get_process_group_ranks(column))  # fmt: skip
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     size = _team_size([tensors[i] for i in moving], [needs[i] for i in moving], costs, group,
                       options)  # fmt: skip
@@ -244,7 +239,7 @@ def make_plan(
     if size > 1:
         assert team is not None
         costs = [team.cost(tensors[i].shape, size) for i in moving]
-    owners = assign_owners(costs, world // size, rows=row_count(len(set(rows)), world // size))
+    owners = assign_owners(costs, world // size, rows=len(set(rows)))
     works = [
         _works(i, tensors[i].shape, owner, size, layouts[i], team, rows)
         for i, owner in zip(moving, owners, strict=True)
@@ -265,9 +260,20 @@ def make_plan(
     )
 
 
-def row_count(rows: int, bins: int) -> int:
-    """The rows owners are spread over (:func:`assign_owners`): ``rows`` where they divide ``bins``."""
-    return rows if bins % rows == 0 else 1
+def _replica_group(
+    replicas: Replicas, count: int
+) -> tuple[ProcessGroup, ProcessGroup | None, list[int], tuple[int, ...]]:
+    """This rank's group of ``count`` replicas, its column, and the row of each of their ranks."""
+    group, column = replicas.split(count)
+    members = dist.get_process_group_ranks(group)
+    first = min(replicas.row_of(r) for r in members)
+    rows = [replicas.row_of(r) - first for r in members]
+    column_rows: tuple[int, ...] = ()
+    if column is not None:
+        column_rows = tuple(
+            replicas.row_of(r) - first for r in dist.get_process_group_ranks(column)
+        )
+    return group, column, rows, column_rows
 
 
 def _replica_group_size(

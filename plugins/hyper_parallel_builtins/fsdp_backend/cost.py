@@ -451,8 +451,7 @@ def replica_group_seconds(
     seconds = [f / r for f, r in zip(whole_flops, rates, strict=True)]
     costs = [team.cost(s, size) for s in shapes] if team and size > 1 else seconds
     rows = [0.0] * replicas
-    bins = world // size
-    owners = assign_owners(costs, bins, rows=replicas if bins % replicas == 0 else 1)
+    owners = assign_owners(costs, world // size, rows=replicas)
     for shape, owner in zip(shapes, owners, strict=True):
         rows[owner * size // shards] += shape.numel()
     share = max(rows) / shards * element_size  # a rank's part of its row's matrices
