@@ -223,18 +223,17 @@ def make_plan(
     moving = [i for i in range(len(tensors)) if i not in in_place]
     measure = cost or (lambda shape: float(math.prod(shape)))
     costs = [sum(measure(s) for s in _block_shapes(tensors[i].shape, needs[i])) for i in moving]
+    travelling = _Moving([tensors[i] for i in moving], [needs[i] for i in moving], costs)
     rows: list[int] = [0] * dist.get_world_size(group)
     column: ProcessGroup | None = None
     column_rows: tuple[int, ...] = ()
     if replicas is not None and moving:
-        count = _replica_group_size(replicas, [tensors[i] for i in moving],
-                                    [needs[i] for i in moving], costs, group, options)  # fmt: skip
+        count = _replica_group_size(replicas, travelling, group, options)
         group, column, rows, column_rows = _replica_group(replicas, count)
         members = dist.get_process_group_ranks(group)
         layouts = [[lay[r] for r in members] for lay in layouts]
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    size = _team_size([tensors[i] for i in moving], [needs[i] for i in moving], costs, group,
-                      options)  # fmt: skip
+    size = _team_size(travelling, group, options)
     team = options.team
     if size > 1:
         assert team is not None
@@ -276,13 +275,28 @@ def _replica_group(
     return group, column, rows, column_rows
 
 
+@dataclass(frozen=True)
+class _Moving:
+    """The tensors a plan sends to owners: their needs and the cost of each one's work."""
+
+    tensors: list[torch.Tensor]
+    needs: list[Need]
+    costs: list[float]
+
+    @property
+    def whole(self) -> bool:
+        return all(isinstance(n, WholeMatrices) for n in self.needs)
+
+
+def _agreed(value: int, group: ProcessGroup) -> int:
+    """Rank 0's ``value``, so every rank plans the same even where their environments differ."""
+    agreed = [value]
+    dist.broadcast_object_list(agreed, src=dist.get_global_rank(group, 0), group=group)
+    return int(agreed[0])
+
+
 def _replica_group_size(
-    replicas: Replicas,
-    tensors: list[torch.Tensor],
-    needs: list[Need],
-    costs: list[float],
-    group: ProcessGroup,
-    options: PlanOptions,
+    replicas: Replicas, moving: _Moving, group: ProcessGroup, options: PlanOptions
 ) -> int:
     """Replicas per group: the option, checked, or the cost model's choice (rank 0's)."""
     count = replicas.count
@@ -294,50 +308,36 @@ def _replica_group_size(
                 f"({count} replicas); choose a divisor of {count}."
             )
         return min(size, count)
-    whole = all(isinstance(n, WholeMatrices) for n in needs)
-    team = options.team if whole and options.team_size == "auto" else None
-    fixed = 1 if options.team_size == "auto" else int(options.team_size)
+    auto = options.team_size == "auto"
+    like = moving.tensors[0]
     chosen = choose_replica_group(
-        [t.shape for t in tensors], costs, team, replicas.shards, count,
-        device_profile(tensors[0].device.type), _node_size(group), tensors[0].element_size(), fixed,
+        [t.shape for t in moving.tensors], moving.costs,
+        options.team if moving.whole and auto else None, replicas.shards, count,
+        device_profile(like.device.type), _node_size(group), like.element_size(),
+        1 if auto else int(options.team_size),
     )  # fmt: skip
-    agreed = [chosen]
-    dist.broadcast_object_list(agreed, src=dist.get_global_rank(group, 0), group=group)
-    return int(agreed[0])
+    return _agreed(chosen, group)
 
 
-def _team_size(
-    tensors: list[torch.Tensor],
-    needs: list[Need],
-    costs: list[float],
-    group: ProcessGroup,
-    options: PlanOptions,
-) -> int:
-    """How many ranks share each matrix: the option, checked, or the cost model's choice.
-
-    The choice is rank 0's, so every rank plans the same even where their
-    environments differ.
-    """
-    team, shapes = options.team, [t.shape for t in tensors]
+def _team_size(moving: _Moving, group: ProcessGroup, options: PlanOptions) -> int:
+    """How many ranks share each matrix: the option, checked, or the cost model's choice (rank 0's)."""
+    team, shapes = options.team, [t.shape for t in moving.tensors]
     world = dist.get_world_size(group)
-    whole = all(isinstance(n, WholeMatrices) for n in needs)
     if options.team_size == "auto":
         size = 1
-        if tensors and whole:
-            profile = device_profile(tensors[0].device.type)
-            size = choose_team_size(shapes, costs, team, world, profile, _node_size(group))
-        agreed = [size]
-        dist.broadcast_object_list(agreed, src=dist.get_global_rank(group, 0), group=group)
-        return int(agreed[0])
+        if shapes and moving.whole:
+            profile = device_profile(moving.tensors[0].device.type)
+            size = choose_team_size(shapes, moving.costs, team, world, profile, _node_size(group))
+        return _agreed(size, group)
     size = int(options.team_size)
-    if size == 1 or not tensors:
+    if size == 1 or not shapes:
         return 1
     problem = None
     if world % size:
         problem = f"it does not divide the {world} ranks that exchange these params"
     elif team is None:
         problem = "this optimizer's transform has no team form (TeamTransform)"
-    elif not whole:
+    elif not moving.whole:
         problem = "some params need row blocks, which a team does not split"
     else:
         for shape in shapes:
