@@ -463,7 +463,8 @@ def describe(rows: Sequence[Prediction], ranks: int, profile: DeviceProfile) -> 
     head = (f"at {ranks} ranks ({profile.name}): HSDP {ranks // best.shard_size} x "
             f"{best.shard_size}, {memory}")  # fmt: skip
     if not best.fits:
-        return f"{head}: does not fit, even sharded over all {best.shard_size} ranks"
+        every = " (every rank)" if best.shard_size == ranks else ""
+        return f"{head}: does not fit sharded over {best.shard_size} ranks{every}"
     return (f"{head}; groups of {best.replica_group} replicas, {best.team_size} rank(s) per "
             f"matrix; picks {best.transport}; " + "; ".join(
                 f"{r.transport} {r.step_s:.3f} s, {r.bytes_per_rank / 2**30:.1f} GiB/rank "
