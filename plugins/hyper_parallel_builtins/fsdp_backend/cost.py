@@ -398,14 +398,14 @@ def _team_choice(
     node_size: int | None,
 ) -> tuple[int, float]:
     """:func:`choose_team_size`'s size and its busiest team's seconds (0 where nothing decides)."""
-    dtype = str(team.dtype).removeprefix("torch.") if team else ""
+    dtype = _work_dtype(team)
     if profile is None or team is None or world < 2 or not shapes:
         return 1, 0.0
     dims = [team.split_dim(s) for s in shapes]
     if any(d is None for d in dims) or not profile.matmul_flops.get(dtype):
         return 1, 0.0
     rates = [profile.matmul_rate(dtype, min(s[-2:])) for s in shapes]
-    whole = [f / r for f, r in zip(whole_flops, rates, strict=True)]
+    whole = _owner_seconds(shapes, whole_flops, profile, dtype)
     best, best_seconds = 1, _busiest(whole, world)
     smallest = min(s[d] for s, d in zip(shapes, dims, strict=True) if d is not None)
     element_size = torch.empty(0, dtype=team.dtype).element_size()
@@ -446,9 +446,7 @@ def replica_group_seconds(
     """
     world = replicas * shards
     size, busiest = _team_choice(shapes, whole_flops, team, world, profile, node_size)
-    dtype = str(team.dtype).removeprefix("torch.") if team else "float32"
-    rates = [profile.matmul_rate(dtype, min(s[-2:])) for s in shapes]
-    seconds = [f / r for f, r in zip(whole_flops, rates, strict=True)]
+    seconds = _owner_seconds(shapes, whole_flops, profile, _work_dtype(team))
     costs = [team.cost(s, size) for s in shapes] if team and size > 1 else seconds
     rows = [0.0] * replicas
     owners = assign_owners(costs, world // size, rows=replicas)
@@ -478,7 +476,7 @@ def choose_replica_group(
     profile, or without a matmul rate for the work's dtype in it:
     ``replicas`` (every replica shares the work once).
     """
-    dtype = str(team.dtype).removeprefix("torch.") if team else "float32"
+    dtype = _work_dtype(team)
     if profile is None or not profile.matmul_flops.get(dtype) or not shapes or replicas < 2:
         return replicas
     sizes = [g for g in range(1, replicas + 1) if replicas % g == 0 and g * shards % team_size == 0]
@@ -490,6 +488,18 @@ def choose_replica_group(
         for g in sizes
     }  # fmt: skip
     return min(sizes, key=lambda g: (seconds[g], g))
+
+
+def _work_dtype(team: TeamTransform | None) -> str:
+    """The profile's key for the work's matmul rate: the team's dtype, else ``float32``."""
+    return str(team.dtype).removeprefix("torch.") if team else "float32"
+
+
+def _owner_seconds(
+    shapes: Sequence[torch.Size], flops: Sequence[float], profile: DeviceProfile, dtype: str
+) -> list[float]:
+    """Each matrix's seconds on one owner at ``profile``'s rate for its short side."""
+    return [f / profile.matmul_rate(dtype, min(s[-2:])) for s, f in zip(shapes, flops, strict=True)]
 
 
 def team_link(profile: DeviceProfile, size: int, node_size: int) -> LinkCost:
