@@ -184,8 +184,16 @@ def _cmd_checkpoint_verify(args: argparse.Namespace) -> int:
     return 1 if corrupt else 0
 
 
+def _cmd_checkpoint_unlock(args: argparse.Namespace) -> int:
+    """Take over the lock of ``args.path`` from a dead holder; one line says what was done."""
+    from hyper_parallel.checkpoint import break_lock
+
+    print(break_lock(args.path, dead_host=args.dead_host), flush=True)
+    return 0
+
+
 def _add_checkpoint_parser(sub: Any) -> None:
-    """``checkpoint verify PATH``."""
+    """``checkpoint verify PATH`` and ``checkpoint unlock DIR --dead-host HOST``."""
     parser = sub.add_parser(
         "checkpoint",
         help="check checkpoints",
@@ -202,6 +210,27 @@ def _add_checkpoint_parser(sub: Any) -> None:
     )
     verify.add_argument("path", metavar="PATH", help="a checkpoint, or a folder of them")
     verify.set_defaults(handler=_cmd_checkpoint_verify)
+    unlock = actions.add_parser(
+        "unlock",
+        help="take over a folder's lock from a run on a host that is down",
+        description="Take over the lock of a checkpoint folder (DIR/.lock) from a run on a host "
+        "that is down, where the file system keeps the lock for it (NFS). Give the host the "
+        "lock names as --dead-host, after checking that it is down: naming a host that still "
+        "runs lets two runs write to one folder. A lock held on this host is never taken over: "
+        "stop its process.",
+    )
+    unlock.add_argument(
+        "path",
+        metavar="DIR",
+        help="the folder holding .lock: a run's folder under --checkpoint-dir, such as "
+        "ckpt/muon_adamw",
+    )
+    unlock.add_argument(
+        "--dead-host",
+        metavar="HOST",
+        help="the host the lock names, which you have checked is down",
+    )
+    unlock.set_defaults(handler=_cmd_checkpoint_unlock)
 
 
 def _add_train_parser(sub: Any) -> None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from hyper_parallel.checkpoint._errors import CheckpointError, CorruptCheckpointError
 from hyper_parallel.checkpoint._load import load, load_latest
+from hyper_parallel.checkpoint._lock import break_lock
 from hyper_parallel.checkpoint._manager import CheckpointManager
 from hyper_parallel.checkpoint._preemption import Preemption
 from hyper_parallel.checkpoint._save import save, wait
@@ -56,6 +57,7 @@ __all__ = [
     "CorruptCheckpointError",
     "Preemption",
     "Verified",
+    "break_lock",
     "find_checkpoints",
     "load",
     "load_latest",
