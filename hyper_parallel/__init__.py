@@ -29,6 +29,8 @@ from hyper_parallel.core.optimizer import (
     get_hyper_lr_scheduler,
     get_hyper_optimizer,
     grads_are_finite,
+    non_finite,
+    non_finite_state,
     step_if_finite,
 )
 from hyper_parallel.core.plugin import (
@@ -81,6 +83,8 @@ __all__ = [
     "hookimpl",
     "hsdp_mesh",
     "init_device_mesh",
+    "non_finite",
+    "non_finite_state",
     "register_plugin",
     "set_gradient_scaling_factor",
     "step_if_finite",

@@ -17,6 +17,7 @@ from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, get_registry
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from hyper_parallel.checkpoint import Verified
     from hyper_parallel.train.config import ConfigField
 
 __all__ = ["main", "run"]
@@ -158,7 +159,7 @@ def _is_symlink_loop(path: Path) -> bool:
 
 
 def _cmd_checkpoint_verify(args: argparse.Namespace) -> int:
-    """One line per checkpoint at or under ``args.path``; 1 if any is corrupt."""
+    """One line per checkpoint at or under ``args.path``; 1 if any is bad or corrupt."""
     from pathlib import Path
 
     from hyper_parallel.checkpoint import find_checkpoints, verify
@@ -174,14 +175,25 @@ def _cmd_checkpoint_verify(args: argparse.Namespace) -> int:
     found = find_checkpoints(root)
     if not found:
         _fail(f"checkpoint verify: no checkpoint at or under {root}")
-    corrupt = 0
+    counts = {"intact": 0, "unverified": 0, "bad": 0, "corrupt": 0}
     for path in found:
         checked = verify(path)
-        corrupt += not checked.ok
+        counts[_verdict(checked)] += 1
         print(checked.line(), flush=True)
     if len(found) > 1:
-        print(f"{len(found) - corrupt} intact, {corrupt} corrupt")
-    return 1 if corrupt else 0
+        print(
+            ", ".join(f"{n} {verdict}" for verdict, n in counts.items() if n or verdict == "intact")
+        )
+    return 1 if counts["bad"] or counts["corrupt"] else 0
+
+
+def _verdict(checked: Verified) -> str:
+    """How ``checkpoint verify`` counts a checkpoint: never "intact" without checksums."""
+    if checked.non_finite:
+        return "bad"
+    if not checked.ok:
+        return "corrupt"
+    return "intact" if checked.intact else "unverified"
 
 
 def _cmd_checkpoint_unlock(args: argparse.Namespace) -> int:
@@ -205,8 +217,9 @@ def _add_checkpoint_parser(sub: Any) -> None:
         help="check every file of a checkpoint (or of every checkpoint under a folder) against "
         "its manifest",
         description="Check every file of a checkpoint, or of every checkpoint under a folder, "
-        "against the sizes and checksums its manifest recorded. Prints one line per "
-        "checkpoint; exits 1 if any is corrupt.",
+        "against the sizes and checksums its manifest recorded, then read every tensor back "
+        "and check it for NaN and Inf. Prints one line per checkpoint (ok, ok? for one saved "
+        "without checksums, BAD, CORRUPT); exits 1 if any is bad or corrupt.",
     )
     verify.add_argument("path", metavar="PATH", help="a checkpoint, or a folder of them")
     verify.set_defaults(handler=_cmd_checkpoint_verify)

@@ -114,7 +114,7 @@ def test_load_latest_falls_back_past_a_corrupt_newest_with_a_warning(tmp_path: P
     manager, _ = _manager_with_steps(tmp_path, (1, 2))
     _flip(next(manager.path_for(2).glob("*.distcp")), 10, 3)
     fresh = _build()
-    with pytest.warns(UserWarning, match="Skipping a corrupt checkpoint.*step_00000002"):
+    with pytest.warns(UserWarning, match="Skipping step_00000002: .*is corrupt"):
         assert manager.load_latest(model=fresh[0], optimizer=fresh[1], scheduler=fresh[2]) == 1
     want = _build()
     _train(*want, _batch(), 1)
@@ -354,6 +354,5 @@ def test_a_checkpoint_saved_before_checksums_loads_with_a_warning(
     want = _build()
     _train(*want, _batch(), 3)
     _assert_same(built, want)
-    with pytest.warns(UserWarning):
-        assert main(["checkpoint", "verify", str(ckpt)]) == 0
+    assert main(["checkpoint", "verify", str(ckpt)]) == 0  # warned once already, at the load
     assert capsys.readouterr().out.startswith("ok?")

@@ -43,7 +43,11 @@ Examples:
 
 from __future__ import annotations
 
-from hyper_parallel.checkpoint._errors import CheckpointError, CorruptCheckpointError
+from hyper_parallel.checkpoint._errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NonFiniteStateError,
+)
 from hyper_parallel.checkpoint._load import load, load_latest
 from hyper_parallel.checkpoint._lock import break_lock
 from hyper_parallel.checkpoint._manager import CheckpointManager
@@ -55,6 +59,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CorruptCheckpointError",
+    "NonFiniteStateError",
     "Preemption",
     "Verified",
     "break_lock",

@@ -10,6 +10,7 @@ from hyper_parallel.core.errors import HyperParallelRuntimeError
 __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
+    "NonFiniteStateError",
     "interrupt_in",
     "is_dist",
     "rank",
@@ -24,11 +25,24 @@ class CheckpointError(HyperParallelRuntimeError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """A checkpoint's files are not what its manifest recorded: changed, truncated or missing.
+    """A checkpoint's files are not what its manifest recorded, or a tensor in them cannot be read.
+
+    Changed, truncated or missing files are found against the manifest's
+    checksums; a tensor that a faulty writer sealed unreadable is found when
+    it is read, and named with its file.
 
     :func:`~hyper_parallel.checkpoint.load_latest` skips a corrupt checkpoint
     and falls back to an older one; it never skips one that merely does not fit
     the objects given (a plain :class:`CheckpointError`).
+    """
+
+
+class NonFiniteStateError(CheckpointError):
+    """State holding NaN or Inf: refused by a save, or found in a checkpoint by a load.
+
+    A save that raises it writes nothing (the previous checkpoint is
+    intact); :func:`~hyper_parallel.checkpoint.load_latest` passes over a
+    checkpoint that holds such state to an older one, saying so.
     """
 
 

@@ -51,6 +51,7 @@ FORMAT_VERSION = 2
 _UNCHECKED_VERSION = 1  # written before checksums: still read, with a warning
 ALGORITHM = "xxh3_64"
 _SELF = "manifest_" + ALGORITHM
+_WARNED_UNCHECKED: set[Path] = set()  # checkpoints without checksums this process warned of
 
 
 def digest_file(path: Path, *, sync: bool = False) -> dict[str, Any]:
@@ -176,6 +177,9 @@ def read_manifest(checkpoint: Path) -> dict[str, Any]:
             "metadata."
         )
     if meta.get("version") == _UNCHECKED_VERSION and _SELF not in meta:
+        if checkpoint.resolve() in _WARNED_UNCHECKED:
+            return meta
+        _WARNED_UNCHECKED.add(checkpoint.resolve())
         warnings.warn(
             f"{checkpoint} was saved without checksums (format version {_UNCHECKED_VERSION}); it "
             "is loaded unverified. Save it again to add them.",

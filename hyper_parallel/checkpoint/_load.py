@@ -1,16 +1,27 @@
-"""Loading: :func:`load` and :func:`load_latest`, verified before anything changes."""
+"""Loading: :func:`load` and :func:`load_latest`, which change nothing unless they succeed.
+
+A load reads into a staging copy of the tensors it loads (this rank's shards
+of the model, optimizer state and fp32 main params) and checks them, and
+only then copies them into the objects given. A file that fails its checksum,
+a tensor that cannot be read, a shape that does not fit or NaN/Inf in the
+checkpoint each raise before anything given has changed. The cost is that
+staging copy: a rank holds its share of the checkpoint twice until the load
+commits.
+"""
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -23,12 +34,12 @@ from torch.optim import Optimizer
 from hyper_parallel.checkpoint._errors import (
     CheckpointError,
     CorruptCheckpointError,
+    NonFiniteStateError,
+    interrupt_in,
     is_dist,
     reason,
 )
-from hyper_parallel.checkpoint._integrity import (
-    verified_manifest,
-)
+from hyper_parallel.checkpoint._integrity import verified_manifest
 from hyper_parallel.checkpoint._layout import candidates
 from hyper_parallel.checkpoint._saving import saver
 from hyper_parallel.checkpoint._shared import agreed, check_shared
@@ -38,23 +49,18 @@ from hyper_parallel.checkpoint._state import (
     SafeReader,
     like,
     named_optimizers,
+    quiet_single_process,
     split_optimizer,
 )
+from hyper_parallel.checkpoint._tensors import first_unreadable, flat_tensors, read_metadata
 from hyper_parallel.core.compat import checkpoint_fqn
+from hyper_parallel.core.optimizer import non_finite
 from hyper_parallel.core.optimizer._main_params import (
     warn_main_params_dropped,
     warn_main_params_rebuilt,
 )
 
 __all__ = ["load", "load_latest"]
-
-
-@contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    """Silence DCP's "assuming ... a single process" load warning; no process group is intended."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* single process")
-        yield
 
 
 # -- load ------------------------------------------------------------------------
@@ -72,7 +78,9 @@ def load(
     Call it on every rank. The objects may be freshly built (the optimizer
     need not have stepped) and sharded differently from when the checkpoint
     was written; DCP reshards. Every file is verified against the manifest
-    first; on any error the objects are left as they were.
+    first, and the tensors are read into a staging copy and checked before
+    any of them is copied in: on any error the model, optimizer, scheduler
+    and main params are left exactly as they were.
 
     Args:
         path: A checkpoint directory.
@@ -85,16 +93,56 @@ def load(
         The ``step`` given to :func:`save`.
 
     Raises:
-        CorruptCheckpointError: a file is missing, truncated or changed, or
-            the manifest is unreadable (on every rank alike).
+        CorruptCheckpointError: a file is missing, truncated or changed, the
+            manifest is unreadable, or a tensor cannot be read back (the
+            message names the file, the tensor and why); on every rank alike.
+        NonFiniteStateError: a tensor in the checkpoint holds NaN or Inf.
         CheckpointError: ``path`` is missing or not a checkpoint, the
-            sub-optimizer names or param groups differ, or a scheduler is
-            given but none was saved.
+            sub-optimizer names, param groups or tensor shapes differ
+            ("does not fit"), the checkpoint was removed while it was read,
+            or a scheduler is given but none was saved.
     """
     saver.wait()  # never read a checkpoint this process is still writing
     ckpt = Path(path)
     check_shared(ckpt.parent)
     return _load_verified(ckpt, verified_manifest(ckpt), model, optimizer, scheduler)
+
+
+@dataclass
+class _Loading:
+    """One load in progress: the live state dicts, and the staged tensors read for them."""
+
+    model_sd: dict[str, Any]
+    optim_sds: dict[str, dict[str, Any]]  # each sub-optimizer's DCP state dict (live tensors)
+    staged: dict[str, Any]  # "model", "optim" (by name), "main": fresh tensors DCP reads into
+    mains: dict[str, torch.Tensor]  # the live fp32 main copies the staged "main" goes into
+
+    @classmethod
+    def start(
+        cls, view: OptimizerView, named: Mapping[str, Optimizer], saved_mains: bool
+    ) -> _Loading:
+        """The state to load into (an optimizer that never stepped gets its lazy state)."""
+        model_sd = get_model_state_dict(view.model)
+        optim_sds = {
+            name: get_optimizer_state_dict(view.module, opt) for name, opt in named.items()
+        }
+        mains = view.mains if saved_mains else {}
+        staged: dict[str, Any] = {
+            "model": _empty_like(model_sd),
+            "optim": {n: _empty_like(split_optimizer(sd, n)[0]) for n, sd in optim_sds.items()},
+        }
+        if mains:
+            staged["main"] = _empty_like(mains)
+        return cls(model_sd, optim_sds, staged, mains)
+
+
+def _empty_like(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``tree`` with every tensor replaced by an uninitialised one like it (DTensors stay sharded)."""
+    return {
+        key: _empty_like(value) if isinstance(value, Mapping) else torch.empty_like(value)
+        for key, value in tree.items()
+        if isinstance(value, (Mapping, torch.Tensor))
+    }
 
 
 def _load_verified(
@@ -104,34 +152,99 @@ def _load_verified(
     named = named_optimizers(optimizer)
     view = OptimizerView(model, optimizer)
     _check_fits(ckpt, meta, named, view, scheduler)
-    model_sd = get_model_state_dict(model)
-    current: dict[str, Any] = {}
-    tensors: dict[str, Any] = {"model": model_sd, "optim": {}}
-    saved_mains = bool(meta.get("main_params"))
-    if view.mains and saved_mains:
-        tensors["main"] = view.mains  # DCP loads into the main copies in place
-    for name, opt in named.items():
-        current[name] = get_optimizer_state_dict(view.module, opt)  # creates lazy state
-        tensors["optim"][name], _ = split_optimizer(current[name], name)
-    with _quiet_single_process():
-        reader = SafeReader(ckpt)
-        reader.read_metadata()  # refuse unsafe metadata here, with our error, before DCP reads it
+    never_stepped = [opt for opt in named.values() if not opt.state]
+    try:
+        loading = _Loading.start(view, named, bool(meta.get("main_params")))
+        _read_staged(ckpt, loading.staged)
+    except BaseException:
+        for opt in never_stepped:  # its lazy state was made for this load only
+            opt.state.clear()
+        raise
+    _commit(ckpt, meta, loading, view, named, scheduler)
+    return int(meta["step"])
+
+
+def _read_staged(ckpt: Path, staged: dict[str, Any]) -> None:
+    """Read ``ckpt``'s tensors into ``staged`` and check them: they fit, read back, and are finite."""
+    wanted = dict(flat_tensors(staged))
+    try:
+        metadata = read_metadata(ckpt)
+    except (OSError, EOFError) as exc:
+        raise _unreadable(ckpt, list(wanted), exc) from None
+    _check_shapes(ckpt, metadata.state_dict_metadata, wanted)
+    with quiet_single_process():
         try:
-            _dcp_load(tensors, storage_reader=reader, no_dist=not is_dist())
-        except CheckpointException as exc:
-            raise CheckpointError(f"{ckpt} does not fit the objects given: {reason(exc)}") from exc
-    set_model_state_dict(model, model_sd)
-    if view.mains and not saved_mains:
+            _dcp_load(staged, storage_reader=SafeReader(ckpt), no_dist=not is_dist())
+        except (CheckpointException, OSError, RuntimeError) as exc:
+            if (interrupt := interrupt_in(exc)) is not None:
+                raise interrupt from None
+            raise _unreadable(ckpt, list(wanted), exc) from None
+    bad = non_finite(wanted)
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise NonFiniteStateError(
+            f"{ckpt} holds NaN or Inf in {bad[0]}{more}; nothing was loaded. Load an earlier "
+            "checkpoint."
+        )
+
+
+def _check_shapes(ckpt: Path, saved: Mapping[str, Any], wanted: Mapping[str, torch.Tensor]) -> None:
+    """ "Does not fit": a tensor to load that the checkpoint lacks, or holds at another shape."""
+    for key, tensor in wanted.items():
+        held = saved.get(key)
+        if not isinstance(held, TensorStorageMetadata):
+            raise CheckpointError(f"{ckpt} does not fit the objects given: it holds no {key}.")
+        if tuple(held.size) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{ckpt} does not fit the objects given: {key} is {list(held.size)} there and "
+                f"{list(tensor.shape)} here."
+            )
+
+
+def _unreadable(ckpt: Path, keys: list[str], exc: BaseException) -> CheckpointError:
+    """The error for a read that failed: the file, the tensor and why, in one line."""
+    why = first_unreadable(ckpt, keys) or reason(exc)
+    if not ckpt.is_dir():
+        return CheckpointError(f"Cannot load {ckpt}: {why}; nothing was loaded. Load again.")
+    return CorruptCheckpointError(
+        f"Cannot load {ckpt}: {why}. Nothing was loaded; load an earlier checkpoint."
+    )
+
+
+def _commit(
+    ckpt: Path,
+    meta: Mapping[str, Any],
+    loading: _Loading,
+    view: OptimizerView,
+    named: Mapping[str, Optimizer],
+    scheduler: Any,
+) -> None:
+    """Copy what was read and checked into the objects given; nothing here reads the checkpoint."""
+    staged = loading.staged
+    set_model_state_dict(view.model, _with_tensors(loading.model_sd, staged["model"]))
+    for fqn, main in loading.mains.items():
+        main.copy_(staged["main"][fqn])
+    if view.mains and not loading.mains:
         view.main_params.params_to_mains()
         warn_main_params_rebuilt(str(ckpt))
-    elif saved_mains and not view.mains:
+    elif meta.get("main_params") and not view.mains:
         warn_main_params_dropped(str(ckpt))
     for name, opt in named.items():
-        _restore_plain(current[name], meta["optimizer_plain"][name], tensors["optim"][name])
-        set_optimizer_state_dict(view.module, opt, current[name])
+        osd = loading.optim_sds[name]
+        _restore_plain(osd, meta["optimizer_plain"][name], staged["optim"][name])
+        set_optimizer_state_dict(view.module, opt, osd)
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
-    return int(meta["step"])
+
+
+def _with_tensors(tree: dict[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """``tree`` with the tensors of ``tensors`` (same keys) in place of its own."""
+    return {
+        key: _with_tensors(value, tensors[key])
+        if isinstance(value, dict)
+        else tensors.get(key, value)
+        for key, value in tree.items()
+    }
 
 
 def _restore_plain(
@@ -201,9 +314,9 @@ def load_latest(
     """Load the newest intact checkpoint under ``root``.
 
     Tries every ``step_*`` directory, newest first (whatever ``latest``
-    says: it may lag after a full disk or a crash). One that fails verification (corrupt, or no checkpoint at
-    all) is skipped with a :class:`UserWarning` naming it and why; nothing is
-    loaded from it.
+    says: it may lag after a full disk or a crash). One that is corrupt,
+    holds NaN or Inf, or is no checkpoint at all is passed over with a
+    :class:`UserWarning` naming it and why; nothing is loaded from it.
 
     Returns:
         The step loaded, or ``None`` when ``root`` holds no checkpoint.
@@ -219,15 +332,20 @@ def load_latest(
     tried = []
     # rank 0 chooses the order to try; every rank verifies each alike (collectively)
     for ckpt in [Path(root) / name for name in agreed([c.name for c in candidates(Path(root))])]:
+        skipped: CheckpointError
         try:
             meta = verified_manifest(ckpt)
-        except CheckpointError as exc:
-            warnings.warn(f"Skipping a corrupt checkpoint. {exc}", UserWarning, stacklevel=2)
-            tried.append(f"{ckpt.name}: {exc}")
-            continue
-        return _load_verified(ckpt, meta, model, optimizer, scheduler)
+        except CheckpointError as exc:  # corrupt, or no checkpoint: nothing was read from it
+            skipped = exc
+        else:
+            try:
+                return _load_verified(ckpt, meta, model, optimizer, scheduler)
+            except (CorruptCheckpointError, NonFiniteStateError) as exc:  # not "does not fit"
+                skipped = exc
+        warnings.warn(f"Skipping {ckpt.name}: {skipped}", UserWarning, stacklevel=2)
+        tried.append(f"{ckpt.name}: {skipped}")
     if not tried:
         return None
     raise CorruptCheckpointError(
-        f"No intact checkpoint under {root}; tried {len(tried)}:\n  " + "\n  ".join(tried)
+        f"No intact checkpoint under {root}; tried {len(tried)}: " + " | ".join(tried)
     )

@@ -11,7 +11,9 @@ from __future__ import annotations
 import io
 import json
 import pickle
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +34,19 @@ __all__ = [
     "json_value",
     "like",
     "named_optimizers",
+    "quiet_single_process",
     "split_optimizer",
 ]
 
 GROUP_TENSOR_PREFIX = "groups"
+
+
+@contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """Silence DCP's "assuming ... a single process" load warning; no process group is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* single process")
+        yield
 
 
 def named_optimizers(optimizer: Optimizer) -> dict[str, Optimizer]:
@@ -57,6 +68,7 @@ class OptimizerView:
 
     def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
         mains = getattr(optimizer, "main_params", None)
+        self.model = model
         self.module = model
         self.mains: dict[str, torch.Tensor] = {}
         self.main_params: MainParams = mains if mains is not None else MainParams()

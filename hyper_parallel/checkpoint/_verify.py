@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.checkpoint._errors import (
-    CheckpointError,
-)
-from hyper_parallel.checkpoint._integrity import (
-    MANIFEST,
-    verified_manifest,
-)
+from torch.distributed.checkpoint.api import CheckpointException
+
+from hyper_parallel.checkpoint._errors import CheckpointError
+from hyper_parallel.checkpoint._integrity import MANIFEST, verified_manifest
 from hyper_parallel.checkpoint._layout import STEP_DIR
+from hyper_parallel.checkpoint._tensors import first_unreadable, non_finite_saved, read_metadata
 
 __all__ = ["Verified", "find_checkpoints", "verify"]
 
@@ -23,22 +21,31 @@ __all__ = ["Verified", "find_checkpoints", "verify"]
 
 @dataclass(frozen=True)
 class Verified:
-    """One checkpoint checked by :func:`verify`: intact, or why not."""
+    """One checkpoint checked by :func:`verify`: intact, unverified, or why not."""
 
     path: Path
-    error: str | None = None
+    error: str | None = None  # corrupt or unreadable (``CORRUPT``), or holds NaN/Inf (``BAD``)
     step: int | None = None
     files: int = 0
     bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # what ``save(extra=...)`` kept
     checksums: bool = True  # False: saved before checksums (format 1), nothing to check against
+    non_finite: bool = False  # the error is NaN/Inf in a tensor that reads back as saved
 
     @property
     def ok(self) -> bool:
+        """Nothing wrong was found (an unverified checkpoint is ok, but not :attr:`intact`)."""
         return self.error is None
 
+    @property
+    def intact(self) -> bool:
+        """Checked against its checksums and found as saved, every tensor finite."""
+        return self.ok and self.checksums
+
     def line(self) -> str:
-        """One line for a terminal: ``ok`` or ``CORRUPT``, the path, and what was found."""
+        """One line for a terminal: ``ok``, ``ok?`` (unverified), ``BAD`` or ``CORRUPT``, and why."""
+        if self.non_finite:
+            return f"BAD      {self.path}  {self.error}"
         if not self.ok:
             return f"CORRUPT  {self.path}  {self.error}"
         if not self.checksums:
@@ -47,22 +54,38 @@ class Verified:
 
 
 def verify(path: str | os.PathLike[str]) -> Verified:
-    """Check one checkpoint's files against its manifest, in this process alone.
+    """Check one checkpoint, in this process alone: its files, then every tensor read back.
+
+    The files are checked against the manifest's sizes and checksums; then
+    every tensor is read (in batches of about 256 MiB) and checked for NaN
+    and Inf, which no checkpoint should hold.
 
     Returns:
-        What was found; :attr:`Verified.ok` is ``False`` for a corrupt one (or
-        a path that is no checkpoint), with the reason.
+        What was found; :attr:`Verified.ok` is ``False`` for a corrupt one, a
+        path that is no checkpoint, a tensor that cannot be read, or one that
+        holds NaN or Inf (:attr:`Verified.non_finite`), with the reason.
     """
     ckpt = Path(path)
     try:
         meta = verified_manifest(ckpt, collective=False)
-    except CheckpointError as exc:
+        metadata = read_metadata(ckpt)
+    except (CheckpointError, OSError, EOFError) as exc:
         return Verified(ckpt, error=str(exc))
+    try:
+        bad = non_finite_saved(ckpt, metadata)
+    except (Exception, CheckpointException):
+        why = first_unreadable(ckpt, sorted(metadata.state_dict_metadata))
+        return Verified(ckpt, error=f"Checkpoint {ckpt} cannot be loaded: {why}.")
     files = meta.get("files", {}).values()
-    total = sum(f["bytes"] for f in files)
-    return Verified(
-        ckpt, None, int(meta["step"]), len(files), total, dict(meta["extra"]), "files" in meta
-    )
+    found = Verified(
+        ckpt, None, int(meta["step"]), len(files), sum(f["bytes"] for f in files),
+        dict(meta["extra"]), "files" in meta,
+    )  # fmt: skip
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        error = f"holds NaN or Inf in {bad[0]}{more}; no run should resume from it"
+        return replace(found, error=error, non_finite=True)
+    return found
 
 
 def _looks_like_checkpoint(path: Path) -> bool:

@@ -22,7 +22,13 @@ from hyper_parallel.core.optimizer._matrix import (
     momentum_updates,
     new_or_into,
 )
-from hyper_parallel.core.optimizer._nonfinite import grads_are_finite, step_if_finite
+from hyper_parallel.core.optimizer._nonfinite import (
+    grads_are_finite,
+    named_training_state,
+    non_finite,
+    non_finite_state,
+    step_if_finite,
+)
 from hyper_parallel.core.optimizer._scheduler import HyperLRScheduler, get_hyper_lr_scheduler
 from hyper_parallel.core.optimizer._swap import (
     SwapOptimizer,
@@ -50,7 +56,10 @@ __all__ = [
     "grads_are_finite",
     "is_swap_optimizer",
     "momentum_updates",
+    "named_training_state",
     "new_or_into",
+    "non_finite",
+    "non_finite_state",
     "step_if_finite",
 ]
 

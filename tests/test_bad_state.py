@@ -1,0 +1,187 @@
+"""Nothing wrong is kept: no checkpoint holds NaN or Inf, and a load that fails changes nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_checkpoint import _batch, _build, _train
+from test_checkpoint_integrity import _assert_untouched, _snapshot
+
+from hyper_parallel import checkpoint, non_finite_state
+from hyper_parallel.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    CorruptCheckpointError,
+    NonFiniteStateError,
+    _load,
+    _save,
+)
+from hyper_parallel.checkpoint._integrity import MANIFEST, checksum_share, write_manifest
+from hyper_parallel.checkpoint._tensors import read_metadata
+from hyper_parallel.cli import main
+
+
+def _momentum(opt: Any) -> torch.Tensor:
+    muon = opt.optimizers["muon"]
+    return next(s["momentum_buffer"] for s in muon.state.values() if "momentum_buffer" in s)
+
+
+def test_non_finite_state_is_named_and_a_save_of_it_writes_nothing(tmp_path: Path) -> None:
+    model, opt, sched = built = _build()
+    _train(*built, _batch(), 1)
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager.save(1, model=model, optimizer=opt, scheduler=sched)
+    assert non_finite_state(model, opt) == []
+    _momentum(opt)[0, 0] = float("inf")
+    bad = non_finite_state(model, opt)
+    assert (
+        len(bad) == 1 and bad[0].startswith("muon state ") and bad[0].endswith(".momentum_buffer")
+    )
+    with pytest.raises(NonFiniteStateError) as raised:
+        manager.save(2, model=model, optimizer=opt, scheduler=sched)
+    message = str(raised.value)
+    assert "\n" not in message and "momentum_buffer holds NaN or Inf" in message
+    assert "previous checkpoint is intact" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step_00000001"]
+    with pytest.raises(NonFiniteStateError):  # and in the background, refused before staging
+        checkpoint.save(tmp_path / "other", model=model, optimizer=opt, step=2, async_save=True)
+    checkpoint.wait()
+    assert not (tmp_path / "other").exists()
+
+
+def _save_unchecked(
+    monkeypatch: pytest.MonkeyPatch, manager: CheckpointManager, step: int, built: Any
+) -> None:
+    """A save as an older version (or a hand-made file) would write it: NaN and all."""
+    with monkeypatch.context() as patch:
+        patch.setattr(_save, "_refuse_non_finite", lambda *_: None)
+        manager.save(step, model=built[0], optimizer=built[1], scheduler=built[2])
+
+
+def test_verify_and_load_latest_pass_over_a_checkpoint_holding_nan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    built = _build()
+    _train(*built, _batch(), 1)
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    manager.save(1, model=built[0], optimizer=built[1], scheduler=built[2])
+    after_one = _snapshot(built)
+    _train(*built, _batch(), 1)
+    with torch.no_grad():
+        built[0].lm_head.weight[1, 2] = float("nan")
+    _save_unchecked(monkeypatch, manager, 2, built)
+
+    assert main(["checkpoint", "verify", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("ok ") and "step_00000001" in lines[0]
+    assert lines[1].startswith("BAD ") and "model.lm_head.weight" in lines[1]
+    assert "NaN or Inf" in lines[1]
+
+    fresh = _build()
+    with pytest.warns(
+        UserWarning, match=r"Skipping step_00000002: .*NaN or Inf in model.lm_head.weight"
+    ):
+        assert manager.load_latest(model=fresh[0], optimizer=fresh[1], scheduler=fresh[2]) == 1
+    _assert_untouched(fresh, after_one)
+
+
+def _last_tensor_zeroed_and_resealed(ckpt: Path) -> str:
+    """Zero the bytes of the file's last tensor and re-seal the manifest, as a faulty writer would."""
+    metadata = read_metadata(ckpt)
+    index, info = max(metadata.storage_data.items(), key=lambda item: item[1].offset)
+    path = ckpt / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset : info.offset + info.length] = bytes(info.length)
+    path.write_bytes(bytes(data))
+    meta = json.loads((ckpt / MANIFEST).read_text())
+    for key in ("files", "checksum_algorithm", "manifest_xxh3_64"):
+        del meta[key]
+    write_manifest(ckpt, meta, checksum_share(ckpt))
+    return str(index.fqn)
+
+
+@pytest.mark.parametrize("stepped", [True, False], ids=["trained", "never-stepped"])
+def test_a_load_that_fails_part_way_changes_nothing_and_names_the_tensor(
+    tmp_path: Path, stepped: bool
+) -> None:
+    saved = _build()
+    _train(*saved, _batch(), 3)
+    ckpt = checkpoint.save(
+        tmp_path / "ckpt", model=saved[0], optimizer=saved[1], scheduler=saved[2], step=3
+    )
+    bad_tensor = _last_tensor_zeroed_and_resealed(ckpt)
+    found = checkpoint.verify(ckpt)  # the checksums hold: reading the tensors finds it
+    assert found.line().startswith("CORRUPT") and bad_tensor in found.line()
+
+    into = _build()
+    if stepped:
+        _train(*into, _batch()[:2], 2)
+    before = _snapshot(into)
+    with pytest.raises(CorruptCheckpointError) as raised:
+        checkpoint.load(ckpt, model=into[0], optimizer=into[1], scheduler=into[2])
+    message = str(raised.value)
+    assert "\n" not in message and "does not fit" not in message
+    assert bad_tensor in message and "__0_0.distcp" in message and "cannot be read" in message
+    if not stepped:  # its lazy state, made to load into, is gone again
+        assert all(not opt.state for opt in into[1].optimizers.values())
+    _assert_untouched(into, before)
+
+
+def test_a_checkpoint_pruned_while_it_is_read_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved = _build()
+    _train(*saved, _batch(), 1)
+    ckpt = checkpoint.save(tmp_path / "ckpt", model=saved[0], optimizer=saved[1], step=1)
+    real_load = _load._dcp_load
+
+    def pruned_first(*args: Any, **kwargs: Any) -> Any:
+        shutil.rmtree(ckpt)  # what a writer's retention does to a reader made with lock=False
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(_load, "_dcp_load", pruned_first)
+    into = _build()
+    before = _snapshot(into)
+    with pytest.raises(CheckpointError, match="was removed while it was read") as raised:
+        checkpoint.load(ckpt, model=into[0], optimizer=into[1])
+    assert "does not fit" not in str(raised.value)
+    _assert_untouched(into, before)
+
+
+def test_a_checkpoint_of_other_shapes_does_not_fit_and_names_the_tensor(tmp_path: Path) -> None:
+    saved = _build()
+    ckpt = checkpoint.save(tmp_path / "ckpt", model=saved[0], optimizer=saved[1], step=0)
+    other = _build(dim=24)
+    before = _snapshot(other)
+    with pytest.raises(
+        CheckpointError, match=r"does not fit the objects given: model\.\S+ is \["
+    ) as raised:
+        checkpoint.load(ckpt, model=other[0], optimizer=other[1])
+    assert "\n" not in str(raised.value)
+    _assert_untouched(other, before)
+
+
+def test_a_checkpoint_without_checksums_is_unverified_never_intact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    built = _build()
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        manager.save(step, model=built[0], optimizer=built[1], scheduler=built[2])
+    manifest = manager.path_for(1) / MANIFEST
+    meta = json.loads(manifest.read_text())
+    for key in ("files", "checksum_algorithm", "manifest_xxh3_64"):
+        del meta[key]
+    manifest.write_text(json.dumps({**meta, "version": 1}))  # as format 1 wrote it
+    with pytest.warns(UserWarning, match="saved without checksums") as warned:
+        assert main(["checkpoint", "verify", str(tmp_path)]) == 0
+        for _ in range(2):
+            checkpoint.load(manager.path_for(1), model=built[0], optimizer=built[1])
+    assert len(warned) == 1  # once per checkpoint, however often it is read
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("ok?") and out[-1] == "1 intact, 1 unverified"
