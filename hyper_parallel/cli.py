@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -108,6 +109,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from hyper_parallel.train import TrainConfig, train
     from hyper_parallel.train.config import config_fields
     from hyper_parallel.train.loop import main_thread_preemption
+    from hyper_parallel.train.outcome import Exit
 
     given = {f.name: getattr(args, f.name) for f in config_fields() if f.option.on_command_line}
     # SIGTERM is preemption for the whole command, from before the model is built.
@@ -116,7 +118,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         summary = train(TrainConfig(**given), preemption=preemption)
     except KeyboardInterrupt:  # before the steps began, or while the last files were written
         print("hyper-parallel train: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return int(Exit.INTERRUPTED)
     finally:
         if preemption is not None and preemption.signal is None:
             preemption.uninstall()
@@ -129,22 +131,47 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return _exit_code(list(summary["runs"].values()))
 
 
-#: ``hyper-parallel train``'s exit codes beyond 0 and 2 (usage): see docs/faults.md.
-EXIT_SAVE_FAILED, EXIT_INTERRUPTED, EXIT_PREEMPTED = 1, 130, 143
-
-
 def _exit_code(runs: list[dict[str, Any]]) -> int:
-    """The code of the first run that stopped early (its one-line reason on stderr), else 0."""
-    for run in runs:
-        if run.get("save_error"):
-            if os.environ.get("RANK", "0") == "0":
-                print(f"hyper-parallel train: {run['save_error']}", file=sys.stderr)
-            return EXIT_SAVE_FAILED
-        if run.get("preempted"):
-            return EXIT_PREEMPTED
-        if run["interrupted"]:
-            return EXIT_INTERRUPTED
-    return 0
+    """The code of the first run that stopped early, its one line on stderr (rank 0), else 0."""
+    from hyper_parallel.train.outcome import exit_code, stop_line
+
+    line = stop_line(runs)
+    if line is not None and os.environ.get("RANK", "0") == "0":
+        print(f"hyper-parallel train: {line}", file=sys.stderr)
+    return int(exit_code(runs))
+
+
+def _cmd_outcome(args: argparse.Namespace) -> int:
+    """How the run in ``args.out`` ended, in one line; its exit code is the run's own."""
+    import json
+    from pathlib import Path
+
+    from hyper_parallel.train.outcome import Exit, exit_code
+
+    path = Path(args.out) / "summary.json"
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        runs = list(summary["runs"].values())
+    except FileNotFoundError:
+        print(
+            f"failed: {path} does not exist: the run ended before writing it (a crash, or a "
+            "worker that raised), or is still running",
+            flush=True,
+        )
+        return int(Exit.SAVE_FAILED)
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        _fail(f"outcome: {path} is not a summary of hyper-parallel train ({exc})")
+    code = Exit(summary.get("exit_code", exit_code(runs)))
+    steps = ", ".join(f"{r.get('label', n)} {r['steps']} steps" for n, r in summary["runs"].items())
+    said = {
+        Exit.FINISHED: "finished",
+        Exit.PREEMPTED: "preempted: requeue it with --resume",
+        Exit.INTERRUPTED: "interrupted (Ctrl-C)",
+        Exit.SAVE_FAILED: "failed: a checkpoint could not be saved",
+        Exit.NON_FINITE: "failed: NaN/Inf",
+    }.get(code, code.name.lower())
+    print(f"{said} ({steps}); exit code {int(code)}", flush=True)
+    return int(code)
 
 
 def _is_symlink_loop(path: Path) -> bool:
@@ -295,6 +322,17 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true", help="print machine-readable JSON")
     plugins.set_defaults(handler=_cmd_plugins)
     _add_train_parser(sub)
+    outcome = sub.add_parser(
+        "outcome",
+        help="say how the run in OUT ended, and exit with its exit code (143: preempted)",
+        description="Read OUT/summary.json and say how that run of hyper-parallel train ended, "
+        "exiting with the code the run exited with: 0 finished, 1 a checkpoint could not be "
+        "saved (or no summary: the run crashed), 3 NaN/Inf, 130 Ctrl-C, 143 preempted. Under "
+        "torchrun, whose own exit code is 1 whenever a worker exits non-zero, a job script "
+        "asks this to tell a preempted run (requeue) from a failed one.",
+    )
+    outcome.add_argument("out", metavar="OUT", help="the run's --out folder")
+    outcome.set_defaults(handler=_cmd_outcome)
     _add_checkpoint_parser(sub)
     return parser
 
@@ -311,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hyper_parallel.train import DataError, TrainError
 
     args = build_parser().parse_args(argv)
+    formatting, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         return int(args.handler(args))
     except (TrainError, DataError, HyperParallelError) as exc:
@@ -325,6 +364,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"hyper-parallel: error: {lost}", file=sys.stderr)
         return 1
+    finally:
+        warnings.formatwarning = formatting
+
+
+def _one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    line: str | None = None,
+) -> str:
+    """A warning as the command line prints it: one line, without Python's source line."""
+    return f"hyper-parallel: warning: {' '.join(str(message).split())}\n"
 
 
 #: What gloo and NCCL say when the process at the other end of a connection is gone.

@@ -12,6 +12,7 @@ import torch
 from test_checkpoint import _batch, _build, _train
 from test_checkpoint_integrity import _assert_untouched, _snapshot
 
+from conftest import TINY_TRAIN_ARGS
 from hyper_parallel import checkpoint, non_finite_state
 from hyper_parallel.checkpoint import (
     CheckpointError,
@@ -185,3 +186,105 @@ def test_a_checkpoint_without_checksums_is_unverified_never_intact(
     assert len(warned) == 1  # once per checkpoint, however often it is read
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ok?") and out[-1] == "1 intact, 1 unverified"
+
+
+def _train_cli(tmp_path: Path, *args: str) -> int:
+    return main(["train", *TINY_TRAIN_ARGS, "--steps", "12", "--out", str(tmp_path / "out"), *args])
+
+
+def test_a_run_whose_params_go_non_finite_stops_with_one_line_and_keeps_no_bad_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ck = tmp_path / "ck"
+    huge = [
+        "--lr",
+        "3e38",
+        "--muon-lr",
+        "3e38",
+        "--checkpoint-every",
+        "1",
+        "--checkpoint-dir",
+        str(ck),
+    ]
+    assert _train_cli(tmp_path, *huge) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stopped at step" in err[0] and "NaN or Inf" in err[0], err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    run = summary["runs"]["muon+adamw"]
+    assert summary["exit_code"] == 3 and run["non_finite"] in err[0]
+    assert (tmp_path / "out" / "loss_curves.png").is_file()
+    saved = sorted(ck.glob("*/step_*"))
+    assert saved and all(
+        checkpoint.verify(p).intact for p in saved
+    )  # each tensor read back: finite
+    assert main(["outcome", str(tmp_path / "out")]) == 3
+    assert capsys.readouterr().out.startswith("failed: NaN/Inf")
+
+
+def test_the_loop_tells_a_bad_batch_from_lost_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without checkpoints, NaN params are found from the loss alone: stopped at once, exit 3."""
+    from hyper_parallel.train import run
+
+    real = run.step_if_finite
+    calls = {"n": 0}
+
+    def poisoned(optimizer: Any) -> bool:
+        calls["n"] += 1
+        stepped = real(optimizer)
+        if calls["n"] == 4:  # after step 4 a param goes NaN: step 5's loss is NaN
+            with torch.no_grad():
+                next(iter(optimizer.optimizers["muon"].param_groups[0]["params"])).fill_(
+                    float("nan")
+                )
+        return stepped
+
+    monkeypatch.setattr(run, "step_if_finite", poisoned)
+    assert _train_cli(tmp_path) == 3
+    err = capsys.readouterr().err
+    assert "stopped at step 5: the loss is nan and" in err, err
+    assert (
+        json.loads((tmp_path / "out" / "summary.json").read_text())["runs"]["muon+adamw"]["steps"]
+        == 4
+    )
+
+
+def test_a_diverging_run_says_so_once_and_a_healthy_one_says_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _train_cli(tmp_path / "big", "--lr", "1e4", "--muon-lr", "1e4") == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "the loss has not fallen by step 10" in err, err
+    summary = json.loads((tmp_path / "big" / "out" / "summary.json").read_text())
+    assert "not learning" in summary["runs"]["muon+adamw"]["diverged"]
+    assert _train_cli(tmp_path / "ok", "--compare", "adamw") == 0
+    assert "warning" not in capsys.readouterr().err
+    summary = json.loads((tmp_path / "ok" / "out" / "summary.json").read_text())
+    assert all(run["diverged"] is None for run in summary["runs"].values())
+
+
+def test_the_divergence_rule() -> None:
+    from hyper_parallel.train.divergence import DivergenceWatch
+
+    def said(losses: list[float], warmup: int = 0) -> list[int]:
+        watch = DivergenceWatch.for_warmup(warmup)
+        return [step for step, loss in enumerate(losses, 1) if watch.observe(step, loss)]
+
+    assert said([3.7] * 30) == [10]  # flat: not learning, said at the end of the stretch
+    assert said([3.7] * 30, warmup=20) == [20]
+    falling = [3.7 - 0.05 * i for i in range(30)]
+    assert said(falling) == []
+    assert said(falling[:15] + [3.8] * 15) == [20]  # back above the start: diverging, once
+    assert said([3.7, 5.0, 4.8, 4.4, 3.5, 3.0, 2.8, 2.6, 2.5, 2.4] + [2.3] * 20) == []  # a spike
+
+
+def test_outcome_answers_for_a_run_with_its_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["outcome", str(tmp_path)]) == 1  # no summary: it crashed
+    assert capsys.readouterr().out.startswith("failed:")
+    runs = {"muon+adamw": {"steps": 4, "preempted": True, "interrupted": False}}
+    (tmp_path / "summary.json").write_text(json.dumps({"runs": runs}))  # no exit_code: computed
+    assert main(["outcome", str(tmp_path)]) == 143
+    assert capsys.readouterr().out.startswith("preempted: requeue it with --resume")

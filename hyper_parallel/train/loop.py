@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import TokenizedText, load_text_file, synthetic_corpus
+from hyper_parallel.train.outcome import exit_code
 from hyper_parallel.train.placement import Placement, place
 from hyper_parallel.train.preflight import (
     RUN_OUTPUTS,
@@ -64,6 +65,8 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
             "interrupted": r.interrupted,
             "preempted": r.preempted,
             "save_error": r.save_error,
+            "non_finite": r.non_finite,
+            "diverged": r.diverged,
             "skipped_steps": r.skipped,
             "resumed_from_step": r.resumed_from,
             "label": r.label,
@@ -75,8 +78,9 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
         "data": data.source,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
         "runs": runs,
+        "exit_code": int(exit_code(list(runs.values()))),
     }
-    if len(results) == 2 and not any(r.interrupted or r.preempted for r in results):
+    if len(results) == 2 and not any(r.stopped_early for r in results):
         ours, baseline = results
         target = baseline.final_val_loss
         if target is not None:
@@ -98,6 +102,10 @@ def _run_line(label: str, run: dict[str, Any]) -> str:
         flag = "  (stopped by SIGTERM)"
     elif run.get("save_error"):
         flag = "  (stopped: a checkpoint could not be saved)"
+    elif run.get("non_finite"):
+        flag = "  (stopped: NaN/Inf)"
+    elif run.get("diverged"):
+        flag = "  (diverged)"
     val = run["final_val_loss"]
     if run["final_train_loss"] is None or val is None:
         return f"{label:>14}: {run['steps']} steps{flag}"
@@ -231,6 +239,9 @@ def _train_placed(
         if config.overwrite and not config.resume:  # the run being replaced leaves nothing behind
             for name in RUN_OUTPUTS:
                 (config.out / name).unlink(missing_ok=True)
+        # A summary says how the last run ended (``hyper-parallel outcome``): an earlier
+        # attempt's must not answer for this one if it crashes before writing its own.
+        (config.out / "summary.json").unlink(missing_ok=True)
         processes = f" on {placement.world_size} processes" if placement.world_size > 1 else ""
         echo(
             f"training {' then '.join(run_names(config))} for {config.steps} steps on "
@@ -244,7 +255,7 @@ def _train_placed(
         for name in run_names(config):
             result = run_one(config, name, data, metrics, progress, placement, preemption or own)
             results.append(result)
-            if result.interrupted or result.preempted or result.save_error:
+            if result.stopped_early:
                 break
     finally:
         metrics.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -19,11 +20,13 @@ from hyper_parallel.core.optimizer import (
     HyperLRScheduler,
     get_hyper_lr_scheduler,
     get_hyper_optimizer,
+    non_finite_state,
     step_if_finite,
 )
 from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, get_registry
 from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import TokenizedText, batches
+from hyper_parallel.train.divergence import DivergenceWatch
 from hyper_parallel.train.model import GPTConfig, TinyGPT
 from hyper_parallel.train.placement import Placement
 from hyper_parallel.train.preflight import resume_record, run_folder
@@ -31,10 +34,16 @@ from hyper_parallel.train.preflight import resume_record, run_folder
 if TYPE_CHECKING:
     from hyper_parallel.checkpoint import CheckpointManager, Preemption
 
-__all__ = ["Metrics", "RunResult", "build_optimizer", "run_one"]
+__all__ = ["Metrics", "NonFiniteRun", "RunResult", "build_optimizer", "run_one"]
 
 #: A run stops when this many steps in a row have non-finite gradients.
 _MAX_SKIPS_IN_A_ROW = 10
+
+_LOWER_LR = "lower the learning rate (--lr, --muon-lr)"
+
+
+class NonFiniteRun(Exception):
+    """The run's params, optimizer state or gradients went NaN/Inf: it stops, keeping nothing of it."""
 
 
 @dataclass
@@ -50,6 +59,8 @@ class RunResult:
     interrupted: bool = False  # Ctrl-C
     preempted: bool = False  # SIGTERM: stopped after a step, saved there with --checkpoint-dir
     save_error: str | None = None  # a checkpoint could not be written: the run stopped
+    non_finite: str | None = None  # state or every gradient went NaN/Inf: the run stopped
+    diverged: str | None = None  # the divergence rule's warning (divergence.py), said once
     skipped: list[int] = field(default_factory=list)  # steps skipped for non-finite gradients
     resumed_from: int = 0  # the checkpoint's step; seconds and tokens_per_s count from there
     optimizers: list[str] = field(default_factory=list)  # the sub-optimizers, in step order
@@ -61,6 +72,11 @@ class RunResult:
             return self.name
         rank = {"muon": 0, "adamw": 2}
         return "+".join(sorted(self.optimizers, key=lambda n: rank.get(n, 1)))
+
+    @property
+    def stopped_early(self) -> bool:
+        """Stopped before its last step: Ctrl-C, SIGTERM, a failed save, or NaN/Inf."""
+        return bool(self.interrupted or self.preempted or self.save_error or self.non_finite)
 
     @property
     def final_val_loss(self) -> float | None:
@@ -77,6 +93,7 @@ class RunResult:
                 result.val_losses.append((row["step"], row["val_loss"]))
             if "skipped" in row:
                 result.skipped.append(row["step"])
+            result.diverged = row.get("diverged", result.diverged)
         return result
 
 
@@ -233,6 +250,7 @@ class _Run:
     result: RunResult  # steps_done: the steps already done, more than 0 when resumed
     bar: Any  # a progress bar (tqdm's interface), or None
     throughput: _Throughput
+    divergence: DivergenceWatch
     skipped_in_a_row: int = 0
     saved_at: int | None = None  # the step of this run's newest save
 
@@ -282,6 +300,7 @@ class _Run:
             result=result,
             bar=bar,
             throughput=_Throughput(tokens_per_step),
+            divergence=_watch(config, result),
         )
 
     @property
@@ -310,15 +329,47 @@ class _Run:
             self.bar.update(1)
 
     def _skip(self, step: int, loss: float) -> None:
-        """Params, optimizer state and schedule stay as they were: as if without this batch."""
+        """Params, optimizer state and schedule stay as they were: as if without this batch.
+
+        Raises:
+            NonFiniteRun: the loss is not finite because the params or the
+                optimizer state are not (checked only then), or too many
+                steps in a row were skipped.
+        """
         self.skipped_in_a_row += 1
         self.result.skipped.append(step)
         self.metrics.write({"run": self.name, "step": step, "skipped": "non-finite gradient"})
-        if self.skipped_in_a_row >= _MAX_SKIPS_IN_A_ROW:
-            raise TrainError(
-                f"{self.name}: {self.skipped_in_a_row} steps in a row had non-finite gradients "
-                f"(loss {loss}) up to step {step}; lower the learning rate"
+        if not math.isfinite(loss) and (bad := non_finite_state(self.model, self.optimizer)):
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise NonFiniteRun(
+                f"{self.name}: stopped at step {step}: the loss is {loss} and {bad[0]}{more} "
+                f"holds NaN or Inf{self._kept()}; {_LOWER_LR}"
             )
+        if self.skipped_in_a_row >= _MAX_SKIPS_IN_A_ROW:
+            raise NonFiniteRun(
+                f"{self.name}: stopped at step {step}: {self.skipped_in_a_row} steps in a row had "
+                f"non-finite gradients (loss {loss}){self._kept()}; {_LOWER_LR}"
+            )
+
+    def _kept(self) -> str:
+        """What the checkpoints hold, for a run stopped by NaN/Inf: only finite state."""
+        if self.saved_at is None:
+            return ""
+        return f"; the newest checkpoint, step {self.saved_at}, holds finite state"
+
+    def _watch(self, step: int, loss: float) -> None:
+        """Say once, on rank 0, and record, when the divergence rule holds."""
+        said = self.divergence.observe(step, loss)
+        if said is None:
+            return
+        self.result.diverged = f"{self.result.label}: {said}"
+        self.metrics.write({"run": self.name, "step": step, "diverged": self.result.diverged})
+        if self.placement.is_main:
+            line = f"hyper-parallel train: warning: {self.result.diverged}"
+            if self.bar is not None:
+                self.bar.write(line, file=sys.stderr)
+            else:
+                print(line, file=sys.stderr)
 
     def _after_step(self, step: int, loss: float, lrs: dict[str, float]) -> None:
         """Advance the schedule; log, validate and save where ``step`` falls on their interval."""
@@ -328,8 +379,9 @@ class _Run:
         self.result.train_losses.append((step, loss))
         self.result.steps_done = step
         self.throughput.count_step()
+        self._watch(step, loss)
         last = step == config.steps
-        if step % config.log_every == 0 or last:
+        if step % config.log_every == 0 or last or step == 1:  # step 1: the loss it starts from
             self._log(step, loss, lrs)
         if step % config.eval_every == 0 or last:
             self.evaluate(step)
@@ -339,15 +391,21 @@ class _Run:
 
     def save(self, step: int) -> None:
         """Save a checkpoint of ``step`` (with ``--checkpoint-dir``), unless one was just saved there."""
+        from hyper_parallel.checkpoint import NonFiniteStateError
+
         if self.checkpoints is None or self.saved_at == step:
             return
-        self.checkpoints.save(
-            step,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            extra=self.record,
-        )
+        try:
+            self.checkpoints.save(
+                step,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                extra=self.record,
+            )
+        except NonFiniteStateError as exc:
+            said = str(exc).rstrip(".")
+            raise NonFiniteRun(f"{self.name}: stopped at step {step}: {said}; {_LOWER_LR}") from None
         self.saved_at = step
 
     def _log(self, step: int, loss: float, lrs: dict[str, float]) -> None:
@@ -374,6 +432,15 @@ class _Run:
         tokens = self.throughput.tokens_per_step * (result.steps_done - result.resumed_from)
         result.tokens_per_s = tokens / max(result.seconds, 1e-9)
         return result
+
+
+def _watch(config: TrainConfig, result: RunResult) -> DivergenceWatch:
+    """The divergence rule for this run; a resumed one starts from the first step's logged loss."""
+    watch = DivergenceWatch.for_warmup(config.warmup)
+    if result.train_losses and result.train_losses[0][0] == 1:
+        watch.start = result.train_losses[0]
+    watch.said = result.diverged
+    return watch
 
 
 def _build_model(config: TrainConfig, vocab_size: int) -> TinyGPT:
@@ -501,6 +568,9 @@ def run_one(
         run.result.interrupted = True
     except CheckpointError as exc:
         run.result.save_error = str(exc)
+    except NonFiniteRun as exc:
+        run.result.non_finite = str(exc)
+        run.metrics.write({"run": name, "step": run.result.steps_done, "stopped": str(exc)})
     finally:
         if run.bar is not None:
             run.bar.close()
