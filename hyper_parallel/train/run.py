@@ -405,7 +405,9 @@ class _Run:
             )
         except NonFiniteStateError as exc:
             said = str(exc).rstrip(".")
-            raise NonFiniteRun(f"{self.name}: stopped at step {step}: {said}; {_LOWER_LR}") from None
+            raise NonFiniteRun(
+                f"{self.name}: stopped at step {step}: {said}; {_LOWER_LR}"
+            ) from None
         self.saved_at = step
 
     def _log(self, step: int, loss: float, lrs: dict[str, float]) -> None:
