@@ -1,4 +1,4 @@
-"""The ``hyper-parallel`` command line: ``plugins``, ``train`` and ``checkpoint verify``."""
+"""The ``hyper-parallel`` command line: ``plugins``, ``train``, ``outcome`` and ``checkpoint``."""
 
 from __future__ import annotations
 
@@ -405,12 +405,17 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
     output is flushed: gloo's native threads can abort a process there
     (SIGABRT, "terminate called without an active exception") after its work
     is done and saved, and torchrun would report that finished run as failed.
+    A preempted process leaves the same way, so that its exit follows the
+    save at once, well inside the grace period before SIGKILL: its files are
+    written and closed by then, and finalization would only cost time.
     """
+    from hyper_parallel.train.outcome import Exit
+
     try:
         code = main(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    if "LOCAL_RANK" not in os.environ:
+    if "LOCAL_RANK" not in os.environ and code != Exit.PREEMPTED:
         raise SystemExit(code)
     sys.stdout.flush()
     sys.stderr.flush()

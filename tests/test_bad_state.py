@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +188,13 @@ def test_a_checkpoint_without_checksums_is_unverified_never_intact(
     assert len(warned) == 1  # once per checkpoint, however often it is read
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ok?") and out[-1] == "1 intact, 1 unverified"
+    # the command line prints it as one line, without Python's source line
+    cli = subprocess.run(
+        [sys.executable, "-m", "hyper_parallel.cli", "checkpoint", "verify", str(tmp_path)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    (line,) = cli.stderr.splitlines()
+    assert line.startswith("hyper-parallel: warning: ") and "saved without checksums" in line
 
 
 def _train_cli(tmp_path: Path, *args: str) -> int:

@@ -26,7 +26,7 @@ from hyper_parallel.checkpoint import verify
 #: FAULT ``enospc``/``erofs``: the writer of the checkpoint whose path holds AT fails with
 #: that error. ``SIGINT``/``SIGTERM``: that writer sends the signal to its own process as it
 #: starts writing; ``SIGINT@step``/``SIGTERM@step``: sent after step AT
-#: (``SIGTERM@step:rank1``: by rank 1 only);
+#: (``SIGTERM@step:rank1``: by rank 1 only; ``raise@step``: a RuntimeError instead);
 #: ``wait@step``: the run waits after step AT
 #: until the file ``$RELEASE`` exists. ``none``: no fault.
 DRIVER = """
@@ -65,12 +65,15 @@ if "@step" in fault and fault != "wait@step":  # "SIGTERM@step:rank1": that rank
     def step(self, n):
         real_step(self, n)
         if n == int(at) and only in ("", os.environ.get("RANK")):
+            if name == "raise":
+                raise RuntimeError("a bug in this worker")
             os.kill(os.getpid(), getattr(signal, name))
     run._Run.step = step
 sys.exit(main(["train", *args]))
 """
 
 STEPS = 10  # saves at steps 3, 6, 9 and 10
+TESTS = Path(__file__).parent
 
 
 def _command(tmp: Path, name: str, fault: str, at: str, *extra: str) -> list[str]:
@@ -101,7 +104,8 @@ def _checked(tmp: Path, name: str, result: Any, code: int, summary_steps: int) -
     assert all(verify(p).ok for p in folder.glob("step_*"))
     summary = json.loads((tmp / name / "summary.json").read_text())
     assert summary["runs"]["muon+adamw"]["steps"] == summary_steps
-    assert (tmp / name / "loss_curves.png").is_file()
+    # a preempted run leaves at once, without drawing: the resumed run draws the whole curve
+    assert (tmp / name / "loss_curves.png").is_file() == (code != 143)
     return folder
 
 
@@ -327,3 +331,61 @@ def test_sigterm_to_one_of_two_ranks_stops_both_after_one_saved_step(tmp_path: P
     resumed = torchrun("term", "none", "-", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert _losses(tmp_path / "term") == _losses(tmp_path / "solo")
+
+
+def _docs_block(marker: str) -> str:
+    """The code block of docs/faults.md that holds ``marker``."""
+    text = (Path(__file__).parents[1] / "docs" / "faults.md").read_text(encoding="utf-8")
+    blocks = text.split("```")[1::2]
+    (block,) = [b for b in blocks if marker in b]
+    return block.split("\n", 1)[1]
+
+
+def _commands(bin_dir: Path, **scripts: str) -> dict[str, str]:
+    """Executables named like the keys (``_`` for ``-``) in ``bin_dir``; the environment using them."""
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        path = bin_dir / name.replace("_", "-")
+        path.write_text(f"#!/bin/bash\n{body}\n")
+        path.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_the_job_recipes_requeue_a_preempted_torchrun_job_and_not_a_failed_one(
+    tmp_path: Path,
+) -> None:
+    """docs/faults.md's Slurm script, as written, under two torchrun agents; then Kubernetes'."""
+    slurm, k8s = _docs_block("scontrol requeue"), _docs_block("podFailurePolicy")
+    env = _commands(
+        tmp_path / "bin",
+        srun=f'exec "{sys.executable}" "{TESTS / "scripts" / "two_agents.py"}" "$@"',
+        scontrol='echo "$@" >> requeued',
+        hyper_parallel=f'exec "{sys.executable}" -m hyper_parallel.cli "$@"',
+        torchrun="true  # the run was the Slurm job's; the decision is what is tested",
+    )
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    extra = ["--steps", str(STEPS), "--checkpoint-every", "3", "--sharding", "fsdp",
+             *TINY_TRAIN_ARGS]  # fmt: skip
+    env.update(DRIVER=str(driver), EXTRA=json.dumps(extra), SLURM_JOB_ID="42")
+    (command,) = [line for line in k8s.splitlines() if "command:" in line]
+    container = json.loads(command.split("command:", 1)[1])[2].replace("/ckpt/out", "runs/job")
+
+    def job(fault: str, at: str) -> tuple[subprocess.CompletedProcess[str], int]:
+        ran = subprocess.run(["bash", "-c", slurm], cwd=tmp_path, env={**env, "FAULT": fault, "AT": at},
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        pod = subprocess.run(["bash", "-c", container], cwd=tmp_path, env=env, capture_output=True)
+        return ran, pod.returncode
+
+    preempted, pod_code = job("SIGTERM@step:rank1", "4")  # SIGTERM reaches one worker
+    assert (tmp_path / "requeued").read_text() == "requeue 42\n", preempted.stderr[-4000:]
+    answer = preempted.stdout.splitlines()[-1]
+    assert answer == "preempted: requeue it with --resume (muon+adamw 4 steps); exit code 143"
+    assert pod_code == 143  # the rule that ignores it: a new pod resumes
+    assert "values: [143]" in k8s.split("action: Ignore")[1].splitlines()[1]
+
+    failed, pod_code = job("raise@step:rank1", "7")  # the requeued run: a worker raises
+    assert "RuntimeError: a bug in this worker" in failed.stderr
+    assert (tmp_path / "requeued").read_text() == "requeue 42\n"  # not requeued again
+    assert failed.stdout.splitlines()[-1].startswith("failed: "), failed.stdout[-2000:]
+    assert pod_code == 1 and "values: [1, 3]" in k8s.split("action: FailJob")[1].splitlines()[1]

@@ -120,8 +120,8 @@ def _span_tokens(run: dict[str, Any]) -> tuple[float, float]:
 def test_the_plot_after_a_resume_draws_the_whole_run(resumed: Resumed) -> None:
     (result,) = resumed.plotted
     assert [step for step, _ in result.val_losses] == list(range(0, 31, 3))
-    # the log's points up to the checkpoint (every 5th step), then every step this process ran
-    assert [step for step, _ in result.train_losses] == [5, 10, 15, 20, *range(21, 31)]
+    # the log's points up to the checkpoint (step 1, then every 5th), then every step this ran
+    assert [step for step, _ in result.train_losses] == [1, 5, 10, 15, 20, *range(21, 31)]
     assert (resumed.out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 

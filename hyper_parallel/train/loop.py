@@ -161,9 +161,11 @@ def train(
         KeyboardInterrupt: never; Ctrl-C ends the current run early, and what
             was written so far is kept (``summary["runs"][...]["interrupted"]``).
             SIGTERM ends it after the current step, saved there with
-            ``--checkpoint-dir`` (``"preempted"``), and a checkpoint that
-            cannot be written ends it too (``"save_error"``, the message);
-            the summary and plot are written in every case. ``preemption``
+            ``--checkpoint-dir`` (``"preempted"``; the summary only, no
+            plot), and a checkpoint that cannot be written or state that
+            went NaN/Inf ends it too (``"save_error"``, ``"non_finite"``:
+            the message); the summary is written in every case, with the
+            exit code (``"exit_code"``). ``preemption``
             is the caller's, installed already; by default ``train``
             catches SIGTERM itself while its runs train.
     """
@@ -295,11 +297,18 @@ def main_thread_preemption() -> Preemption | None:
 def _write_outputs(
     results: list[RunResult], summary: dict[str, Any], out: Path, title: str
 ) -> None:
-    """The plot (when there is a point to draw) and the summary, each replaced whole or not at all."""
+    """The plot (when there is a point to draw) and the summary, each replaced whole or not at all.
+
+    A preempted run writes its summary only: the grace period before SIGKILL
+    is short, drawing the plot costs more than the rest of the way out, and
+    the resumed run draws the whole curve.
+    """
     from hyper_parallel.train.plot import plot_losses
 
     plot = out / "loss_curves.png"
-    if any(r.train_losses or r.val_losses for r in results):
+    if any(r.preempted for r in results):
+        pass  # the summary alone
+    elif any(r.train_losses or r.val_losses for r in results):
         replace_atomically(plot, lambda tmp: plot_losses(results, tmp, title=title))
     else:  # interrupted before anything was measured: no plot, rather than an empty one
         plot.unlink(missing_ok=True)
