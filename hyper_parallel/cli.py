@@ -152,6 +152,10 @@ def _cmd_outcome(args: argparse.Namespace) -> int:
     try:
         summary = json.loads(path.read_text(encoding="utf-8"))
         runs = list(summary["runs"].values())
+        code = Exit(summary.get("exit_code", exit_code(runs)))
+        steps = ", ".join(
+            f"{r.get('label', n)} {r['steps']} steps" for n, r in summary["runs"].items()
+        )
     except FileNotFoundError:
         print(
             f"failed: {path} does not exist: the run ended before writing it (a crash, or a "
@@ -159,10 +163,8 @@ def _cmd_outcome(args: argparse.Namespace) -> int:
             flush=True,
         )
         return int(Exit.SAVE_FAILED)
-    except (OSError, ValueError, KeyError, AttributeError) as exc:
-        _fail(f"outcome: {path} is not a summary of hyper-parallel train ({exc})")
-    code = Exit(summary.get("exit_code", exit_code(runs)))
-    steps = ", ".join(f"{r.get('label', n)} {r['steps']} steps" for n, r in summary["runs"].items())
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+        _fail(f"outcome: {path} is not a summary of hyper-parallel train ({exc!r})")
     said = {
         Exit.FINISHED: "finished",
         Exit.PREEMPTED: "preempted: requeue it with --resume",

@@ -297,3 +297,58 @@ def test_outcome_answers_for_a_run_with_its_exit_code(
     (tmp_path / "summary.json").write_text(json.dumps({"runs": runs}))  # no exit_code: computed
     assert main(["outcome", str(tmp_path)]) == 143
     assert capsys.readouterr().out.startswith("preempted: requeue it with --resume")
+
+
+def test_a_scheduler_that_does_not_fit_changes_nothing(tmp_path: Path) -> None:
+    from hyper_parallel import get_hyper_lr_scheduler
+
+    saved = _build()
+    _train(*saved, _batch(), 2)
+    ckpt = checkpoint.save(
+        tmp_path / "ckpt", model=saved[0], optimizer=saved[1], scheduler=saved[2], step=2
+    )
+    model, opt, _ = _build()
+    other = get_hyper_lr_scheduler(opt, "cosine", total_steps=20, warmup_steps=2)
+    before = _snapshot((model, opt, other))
+    with pytest.raises(CheckpointError, match="does not fit the scheduler given") as raised:
+        checkpoint.load(ckpt, model=model, optimizer=opt, scheduler=other)
+    assert "\n" not in str(raised.value)
+    assert all(not o.state for o in opt.optimizers.values())
+    _assert_untouched((model, opt, other), before)
+
+
+def test_a_read_failure_no_tensor_reproduces_is_not_taken_for_corruption(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of memory while reading is no reason to fall back to an older checkpoint."""
+    built = _build()
+    manager = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        _train(*built, _batch(), 1)
+        manager.save(step, model=built[0], optimizer=built[1], scheduler=built[2])
+
+    def out_of_memory(*args: Any, **kwargs: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(_load, "_dcp_load", out_of_memory)
+    fresh = _build()
+    with pytest.raises(CheckpointError, match="out of memory") as raised:
+        manager.load_latest(model=fresh[0], optimizer=fresh[1], scheduler=fresh[2])
+    assert not isinstance(raised.value, CorruptCheckpointError) and "step_00000002" in str(
+        raised.value
+    )
+
+
+def test_a_refused_requeue_of_a_preempted_run_is_not_answered_as_preempted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = {"muon+adamw": {"steps": 4, "preempted": True, "interrupted": False}}
+    (out / "summary.json").write_text(json.dumps({"runs": runs, "exit_code": 143}))
+    assert main(["outcome", str(out)]) == 143
+    with pytest.raises(SystemExit) as refused:  # no --checkpoint-dir: refused before training
+        main(["train", "--out", str(out), "--resume"])
+    assert refused.value.code == 2
+    assert main(["outcome", str(out)]) == 1  # the last attempt failed: not requeued
+    assert capsys.readouterr().out.splitlines()[-1].startswith("failed:")

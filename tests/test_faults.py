@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -351,41 +352,90 @@ def _commands(bin_dir: Path, **scripts: str) -> dict[str, str]:
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
-def test_the_job_recipes_requeue_a_preempted_torchrun_job_and_not_a_failed_one(
+def _container_command(k8s: str, out: str) -> str:
+    """The Kubernetes recipe's container command, its output folder moved to ``out``."""
+    (line,) = [line for line in k8s.splitlines() if "command:" in line]
+    return str(json.loads(line.split("command:", 1)[1])[2]).replace("/ckpt/out", out)
+
+
+def _rule_codes(k8s: str, action: str) -> list[int]:
+    """The exit codes of the recipe's ``podFailurePolicy`` rule with ``action``."""
+    line = k8s.split(f"action: {action}")[1].splitlines()[1]
+    return [int(code) for code in line.split("values: [")[1].split("]")[0].split(",")]
+
+
+def test_the_slurm_recipe_requeues_a_preempted_torchrun_job_and_not_a_failed_one(
     tmp_path: Path,
 ) -> None:
-    """docs/faults.md's Slurm script, as written, under two torchrun agents; then Kubernetes'."""
+    """docs/faults.md's Slurm script, as written, with ``srun`` as two torchrun agents."""
     slurm, k8s = _docs_block("scontrol requeue"), _docs_block("podFailurePolicy")
     env = _commands(
         tmp_path / "bin",
         srun=f'exec "{sys.executable}" "{TESTS / "scripts" / "two_agents.py"}" "$@"',
         scontrol='echo "$@" >> requeued',
         hyper_parallel=f'exec "{sys.executable}" -m hyper_parallel.cli "$@"',
-        torchrun="true  # the run was the Slurm job's; the decision is what is tested",
+        torchrun="true  # the Slurm job ran the run: what is tested here is the decision",
     )
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     extra = ["--steps", str(STEPS), "--checkpoint-every", "3", "--sharding", "fsdp",
              *TINY_TRAIN_ARGS]  # fmt: skip
     env.update(DRIVER=str(driver), EXTRA=json.dumps(extra), SLURM_JOB_ID="42")
-    (command,) = [line for line in k8s.splitlines() if "command:" in line]
-    container = json.loads(command.split("command:", 1)[1])[2].replace("/ckpt/out", "runs/job")
 
-    def job(fault: str, at: str) -> tuple[subprocess.CompletedProcess[str], int]:
-        ran = subprocess.run(["bash", "-c", slurm], cwd=tmp_path, env={**env, "FAULT": fault, "AT": at},
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
-        pod = subprocess.run(["bash", "-c", container], cwd=tmp_path, env=env, capture_output=True)
-        return ran, pod.returncode
+    def job(fault: str, at: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", "-c", slurm], cwd=tmp_path, env={**env, "FAULT": fault, "AT": at},
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
 
-    preempted, pod_code = job("SIGTERM@step:rank1", "4")  # SIGTERM reaches one worker
+    preempted = job("SIGTERM@step:rank1", "4")  # SIGTERM reaches one worker
     assert (tmp_path / "requeued").read_text() == "requeue 42\n", preempted.stderr[-4000:]
     answer = preempted.stdout.splitlines()[-1]
     assert answer == "preempted: requeue it with --resume (muon+adamw 4 steps); exit code 143"
-    assert pod_code == 143  # the rule that ignores it: a new pod resumes
-    assert "values: [143]" in k8s.split("action: Ignore")[1].splitlines()[1]
 
-    failed, pod_code = job("raise@step:rank1", "7")  # the requeued run: a worker raises
+    failed = job("raise@step:rank1", "7")  # the requeued run: a worker raises
     assert "RuntimeError: a bug in this worker" in failed.stderr
     assert (tmp_path / "requeued").read_text() == "requeue 42\n"  # not requeued again
     assert failed.stdout.splitlines()[-1].startswith("failed: "), failed.stdout[-2000:]
-    assert pod_code == 1 and "values: [1, 3]" in k8s.split("action: FailJob")[1].splitlines()[1]
+    # Kubernetes' container ends with the same answer: its policy fails the Job
+    pod = subprocess.run(["bash", "-c", _container_command(k8s, "runs/job")], cwd=tmp_path, env=env)
+    assert pod.returncode == 1 and 1 in _rule_codes(k8s, "FailJob")
+
+
+def test_the_kubernetes_recipe_passes_sigterm_on_and_exits_143_for_a_new_pod(
+    tmp_path: Path,
+) -> None:
+    """The container's command as written, torchrun with 2 workers; SIGTERM to its shell only."""
+    k8s = _docs_block("podFailurePolicy")
+    extra = " ".join(["--steps", "400", "--eval-every", "100", *TINY_TRAIN_ARGS])
+    env = _commands(
+        tmp_path / "bin",
+        torchrun=f'exec "{sys.executable}" -m torch.distributed.run "$@" {extra}',
+        hyper_parallel=f'exec "{sys.executable}" -m hyper_parallel.cli "$@"',
+    )
+    command = _container_command(k8s, "out").replace("/ckpt/run", "ckpt")
+    command = command.replace("--nproc_per_node 8", "--nproc_per_node 2")
+    container = subprocess.Popen(["bash", "-c", command], cwd=tmp_path, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while (
+        not metrics.is_file() or '"step": 5,' not in metrics.read_text()
+    ) and time.monotonic() < deadline:
+        assert container.poll() is None, container.communicate()[1][-4000:]
+        time.sleep(0.1)
+    container.send_signal(signal.SIGTERM)  # what the kubelet does: to the first process alone
+    out, err = container.communicate(timeout=240)
+    assert container.returncode == 143, err[-4000:]
+    assert 143 in _rule_codes(k8s, "Ignore")  # not counted as a failure: a new pod resumes
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())["runs"]["muon+adamw"]
+    assert summary["preempted"] and 5 <= summary["steps"] < 400
+    saved = sorted(p.name for p in (tmp_path / "ckpt" / "muon_adamw").glob("step_*"))
+    assert saved[-1] == f"step_{summary['steps']:08d}"
+    assert out.splitlines()[-1].startswith("preempted: requeue it with --resume")
+
+
+def test_sigterm_at_the_last_step_is_a_finished_run_not_a_preempted_one(tmp_path: Path) -> None:
+    """A requeue of it would find nothing to do: the run says it finished."""
+    result = _train(tmp_path, "last", "SIGTERM@step", str(STEPS))
+    _checked(tmp_path, "last", result, 0, STEPS)
+    summary = json.loads((tmp_path / "last" / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and not summary["runs"]["muon+adamw"]["preempted"]

@@ -23,12 +23,17 @@ point leaves the previous checkpoint and pointer intact. With
 ``async_save=True`` the state is copied to CPU memory and the rest happens
 behind training (at most one save in flight; :func:`wait` joins it).
 
-**Loading is verified.** Before any value reaches the model, optimizer or
-scheduler, every file is checked against the manifest (the ranks share the
-work and agree), so a flipped bit, a truncated copy or a missing file is a
-:class:`CorruptCheckpointError` naming the checkpoint and the file, and the
-objects passed in are left as they were. :func:`load_latest` then falls back
-to the newest intact checkpoint, with a warning.
+**Nothing wrong is kept.** A save refuses state holding NaN or Inf
+(:class:`NonFiniteStateError`, naming the tensor; nothing is written).
+Before any value reaches the model, optimizer or scheduler, a load checks
+every file against the manifest (the ranks share the work and agree), then
+reads the tensors into a staging copy and checks their shapes, that each
+reads back, and that none holds NaN or Inf; only then is anything copied in.
+A flipped bit, a truncated copy, a missing file or a tensor that cannot be
+read is a :class:`CorruptCheckpointError` naming the checkpoint, the file
+and the tensor, and the objects passed in are left exactly as they were.
+:func:`load_latest` then falls back to the newest good checkpoint, with a
+warning.
 
 **Ranks agree.** Under a process group, every rank first proves that it sees
 the same directory as the others (a disk local to each node is a

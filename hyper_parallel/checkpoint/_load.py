@@ -42,7 +42,7 @@ from hyper_parallel.checkpoint._errors import (
 from hyper_parallel.checkpoint._integrity import verified_manifest
 from hyper_parallel.checkpoint._layout import candidates
 from hyper_parallel.checkpoint._saving import saver
-from hyper_parallel.checkpoint._shared import agreed, check_shared
+from hyper_parallel.checkpoint._shared import agreed, agreed_value, check_shared, first_problem
 from hyper_parallel.checkpoint._state import (
     GROUP_TENSOR_PREFIX,
     OptimizerView,
@@ -52,7 +52,12 @@ from hyper_parallel.checkpoint._state import (
     quiet_single_process,
     split_optimizer,
 )
-from hyper_parallel.checkpoint._tensors import first_unreadable, flat_tensors, read_metadata
+from hyper_parallel.checkpoint._tensors import (
+    REMOVED_WHILE_READ,
+    first_unreadable,
+    flat_tensors,
+    read_metadata,
+)
 from hyper_parallel.core.compat import checkpoint_fqn
 from hyper_parallel.core.optimizer import non_finite
 from hyper_parallel.core.optimizer._main_params import (
@@ -153,37 +158,58 @@ def _load_verified(
     view = OptimizerView(model, optimizer)
     _check_fits(ckpt, meta, named, view, scheduler)
     never_stepped = [opt for opt in named.values() if not opt.state]
+    scheduler_before = None if scheduler is None else scheduler.state_dict()
     try:
         loading = _Loading.start(view, named, bool(meta.get("main_params")))
         _read_staged(ckpt, loading.staged)
+        if scheduler is not None:
+            _load_scheduler(ckpt, scheduler, meta["scheduler"])
     except BaseException:
         for opt in never_stepped:  # its lazy state was made for this load only
             opt.state.clear()
+        if scheduler_before is not None:
+            scheduler.load_state_dict(scheduler_before)
         raise
-    _commit(ckpt, meta, loading, view, named, scheduler)
+    _commit(ckpt, meta, loading, view, named)
     return int(meta["step"])
+
+
+def _load_scheduler(ckpt: Path, scheduler: Any, saved: Mapping[str, Any]) -> None:
+    """Load the scheduler's plain state; one it refuses (another schedule) does not fit."""
+    try:
+        scheduler.load_state_dict(saved)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"{ckpt} does not fit the scheduler given: {_first_line(exc)}"
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _read_staged(ckpt: Path, staged: dict[str, Any]) -> None:
     """Read ``ckpt``'s tensors into ``staged`` and check them: they fit, read back, and are finite."""
     wanted = dict(flat_tensors(staged))
     try:
-        metadata = read_metadata(ckpt)
-    except (OSError, EOFError) as exc:
-        raise _unreadable(ckpt, list(wanted), exc) from None
+        metadata, problem = read_metadata(ckpt), None
+    except (OSError, EOFError, CheckpointError) as exc:
+        metadata, problem = None, f"its DCP metadata cannot be read ({reason(exc)})"
+    if (problem := first_problem(problem)) is not None or metadata is None:  # every rank alike
+        raise _unreadable(ckpt, list(wanted), problem or "another rank could not read it")
     _check_shapes(ckpt, metadata.state_dict_metadata, wanted)
     with quiet_single_process():
         try:
             _dcp_load(staged, storage_reader=SafeReader(ckpt), no_dist=not is_dist())
-        except (CheckpointException, OSError, RuntimeError) as exc:
+        except (CheckpointException, OSError, RuntimeError) as exc:  # on every rank alike
             if (interrupt := interrupt_in(exc)) is not None:
                 raise interrupt from None
-            raise _unreadable(ckpt, list(wanted), exc) from None
+            raise _unreadable(ckpt, list(wanted), reason(exc)) from None
     bad = non_finite(wanted)
     if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise NonFiniteStateError(
-            f"{ckpt} holds NaN or Inf in {bad[0]}{more}; nothing was loaded. Load an earlier "
+            f"{ckpt} holds NaN or Inf in {bad.summary}; nothing was loaded. Load an earlier "
             "checkpoint."
         )
 
@@ -201,11 +227,23 @@ def _check_shapes(ckpt: Path, saved: Mapping[str, Any], wanted: Mapping[str, tor
             )
 
 
-def _unreadable(ckpt: Path, keys: list[str], exc: BaseException) -> CheckpointError:
-    """The error for a read that failed: the file, the tensor and why, in one line."""
-    why = first_unreadable(ckpt, keys) or reason(exc)
-    if not ckpt.is_dir():
-        return CheckpointError(f"Cannot load {ckpt}: {why}; nothing was loaded. Load again.")
+def _unreadable(ckpt: Path, keys: list[str], said: str) -> CheckpointError:
+    """The error for a read that failed: the file, the tensor and why, in one line.
+
+    Rank 0's diagnosis is every rank's, so all raise the same class (a
+    ``load_latest`` that skips on one rank skips on all). Only a tensor that
+    reads back wrong makes the checkpoint corrupt; a failure that no single
+    tensor reproduces (memory, a collective) is a plain error, never skipped.
+    """
+    why, removed = agreed_value((first_unreadable(ckpt, keys), not ckpt.is_dir()))
+    if removed:
+        return CheckpointError(
+            f"Cannot load {ckpt}: {REMOVED_WHILE_READ}; nothing was loaded. Load again."
+        )
+    if why is None:
+        return CheckpointError(
+            f"Cannot load {ckpt}: {said.strip().splitlines()[0]}; nothing was loaded."
+        )
     return CorruptCheckpointError(
         f"Cannot load {ckpt}: {why}. Nothing was loaded; load an earlier checkpoint."
     )
@@ -217,7 +255,6 @@ def _commit(
     loading: _Loading,
     view: OptimizerView,
     named: Mapping[str, Optimizer],
-    scheduler: Any,
 ) -> None:
     """Copy what was read and checked into the objects given; nothing here reads the checkpoint."""
     staged = loading.staged
@@ -233,8 +270,6 @@ def _commit(
         osd = loading.optim_sds[name]
         _restore_plain(osd, meta["optimizer_plain"][name], staged["optim"][name])
         set_optimizer_state_dict(view.module, opt, osd)
-    if scheduler is not None:
-        scheduler.load_state_dict(meta["scheduler"])
 
 
 def _with_tensors(tree: dict[str, Any], tensors: Mapping[str, Any]) -> dict[str, Any]:

@@ -162,7 +162,7 @@ class CheckpointManager:
     def newest_intact(self) -> Verified | None:
         """The checkpoint :meth:`load_latest` would load, checked in this process alone; or ``None``."""
         for ckpt in candidates(self.root):
-            found = verify(ckpt)
+            found = verify(ckpt, read_tensors=False)  # the load reads and checks the tensors
             if found.ok:
                 return found
         return None

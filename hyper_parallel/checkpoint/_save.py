@@ -135,8 +135,7 @@ def _refuse_non_finite(target: Path, tensors: dict[str, Any]) -> None:
     """
     bad = non_finite(flat_tensors(tensors))
     if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise NonFiniteStateError(
-            f"Refusing to save {target}: {bad[0]} holds NaN or Inf{more}; a checkpoint never "
+            f"Refusing to save {target}: {bad.summary} holds NaN or Inf; a checkpoint never "
             "keeps non-finite state. The previous checkpoint is intact."
         )

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hyper_parallel.checkpoint._errors import CheckpointError, is_dist, rank, world_size
 from hyper_parallel.checkpoint._lock import hold
 
-__all__ = ["agreed", "check_shared", "lock_for_rank_0"]
+__all__ = ["agreed", "agreed_value", "check_shared", "first_problem", "lock_for_rank_0"]
 
 T = TypeVar("T")
 
@@ -86,6 +86,20 @@ def lock_for_rank_0(root: Path) -> None:
 def agreed(names: list[str]) -> list[str]:
     """Rank 0's ``names`` on every rank (collective under a process group; else ``names``)."""
     return _from_rank_0(names)
+
+
+def agreed_value(value: T) -> T:
+    """Rank 0's ``value`` (any picklable one) on every rank; collective under a process group."""
+    return _from_rank_0(value)
+
+
+def first_problem(problem: str | None) -> str | None:
+    """The first rank's ``problem`` that is not ``None``, on every rank (collective when distributed)."""
+    if not is_dist():
+        return problem
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem)
+    return next((p for p in everyone if p is not None), None)
 
 
 def _from_rank_0(value: T) -> T:

@@ -21,9 +21,18 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from hyper_parallel.checkpoint._errors import reason
 from hyper_parallel.checkpoint._state import SafeReader, quiet_single_process
-from hyper_parallel.core.optimizer import non_finite
+from hyper_parallel.core.optimizer import NonFiniteTensors, non_finite
 
-__all__ = ["first_unreadable", "flat_tensors", "non_finite_saved", "read_metadata"]
+__all__ = [
+    "REMOVED_WHILE_READ",
+    "first_unreadable",
+    "flat_tensors",
+    "non_finite_saved",
+    "read_metadata",
+]
+
+#: Why a checkpoint's files vanished under a reader: a run saving beside it pruned it.
+REMOVED_WHILE_READ = "it was removed while it was read (a run saving beside it prunes old ones)"
 
 #: Bytes read per batch by :func:`non_finite_saved`: its memory beyond one tensor larger than this.
 BATCH_BYTES = 256 << 20
@@ -62,17 +71,18 @@ def _empty(md: TensorStorageMetadata) -> torch.Tensor:
     return torch.empty(md.size, dtype=md.properties.dtype)
 
 
-def non_finite_saved(ckpt: Path, metadata: Metadata | None = None) -> list[str]:
+def non_finite_saved(ckpt: Path, metadata: Metadata | None = None) -> NonFiniteTensors:
     """The keys of ``ckpt``'s tensors that hold NaN or Inf, read in batches of about 256 MiB."""
     saved = _saved(metadata if metadata is not None else read_metadata(ckpt))
-    bad: list[str] = []
+    bad = NonFiniteTensors()
     batch: dict[str, torch.Tensor] = {}
     for key in sorted(saved):
         batch[key] = _empty(saved[key])
         if sum(t.numel() * t.element_size() for t in batch.values()) >= BATCH_BYTES:
             bad.extend(_checked(ckpt, batch))
             batch = {}
-    return bad + _checked(ckpt, batch)
+    bad.extend(_checked(ckpt, batch))
+    return bad
 
 
 def _checked(ckpt: Path, batch: dict[str, torch.Tensor]) -> list[str]:
@@ -95,7 +105,7 @@ def _why(ckpt: Path, metadata: Metadata, key: str, exc: BaseException) -> str:
     if isinstance(exc, CheckpointException) and exc.failures:
         inner = next(iter(exc.failures.values()))[0]
     if not ckpt.is_dir():
-        return f"{ckpt} was removed while it was read (a run saving beside it prunes old ones)"
+        return REMOVED_WHILE_READ
     for index, info in metadata.storage_data.items():
         if index.fqn != key:
             continue
@@ -118,7 +128,7 @@ def first_unreadable(ckpt: Path, keys: list[str]) -> str | None:
         metadata = read_metadata(ckpt)
     except (OSError, EOFError) as exc:
         if not ckpt.is_dir():
-            return f"{ckpt} was removed while it was read (a run saving beside it prunes old ones)"
+            return REMOVED_WHILE_READ
         return f"its DCP metadata cannot be read ({reason(exc)})"
     saved = _saved(metadata)
     for key in keys:

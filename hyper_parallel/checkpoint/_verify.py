@@ -9,10 +9,11 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hyper_parallel.checkpoint._errors import CheckpointError
+from hyper_parallel.checkpoint._errors import CheckpointError, reason
 from hyper_parallel.checkpoint._integrity import MANIFEST, verified_manifest
 from hyper_parallel.checkpoint._layout import STEP_DIR
 from hyper_parallel.checkpoint._tensors import first_unreadable, non_finite_saved, read_metadata
+from hyper_parallel.core.optimizer import NonFiniteTensors
 
 __all__ = ["Verified", "find_checkpoints", "verify"]
 
@@ -53,12 +54,17 @@ class Verified:
         return f"ok       {self.path}  (step {self.step}, {self.files} files, {self.bytes:,} bytes)"
 
 
-def verify(path: str | os.PathLike[str]) -> Verified:
+def verify(path: str | os.PathLike[str], *, read_tensors: bool = True) -> Verified:
     """Check one checkpoint, in this process alone: its files, then every tensor read back.
 
     The files are checked against the manifest's sizes and checksums; then
     every tensor is read (in batches of about 256 MiB) and checked for NaN
     and Inf, which no checkpoint should hold.
+
+    Args:
+        path: The checkpoint directory.
+        read_tensors: ``False`` checks the files only (what a load checks
+            before it reads the tensors itself).
 
     Returns:
         What was found; :attr:`Verified.ok` is ``False`` for a corrupt one, a
@@ -72,9 +78,9 @@ def verify(path: str | os.PathLike[str]) -> Verified:
     except (CheckpointError, OSError, EOFError) as exc:
         return Verified(ckpt, error=str(exc))
     try:
-        bad = non_finite_saved(ckpt, metadata)
-    except (Exception, CheckpointException):
-        why = first_unreadable(ckpt, sorted(metadata.state_dict_metadata))
+        bad = non_finite_saved(ckpt, metadata) if read_tensors else NonFiniteTensors()
+    except (Exception, CheckpointException) as exc:  # a tensor that cannot be read: named here
+        why = first_unreadable(ckpt, sorted(metadata.state_dict_metadata)) or reason(exc)
         return Verified(ckpt, error=f"Checkpoint {ckpt} cannot be loaded: {why}.")
     files = meta.get("files", {}).values()
     found = Verified(
@@ -82,8 +88,7 @@ def verify(path: str | os.PathLike[str]) -> Verified:
         dict(meta["extra"]), "files" in meta,
     )  # fmt: skip
     if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        error = f"holds NaN or Inf in {bad[0]}{more}; no run should resume from it"
+        error = f"holds NaN or Inf in {bad.summary}; no run should resume from it"
         return replace(found, error=error, non_finite=True)
     return found
 

@@ -3,8 +3,9 @@
 A run is said to diverge, once, when either holds (docs/faults.md):
 
 - **not falling**: at the end of its first stretch, ``max(warmup, 10)``
-  steps, the mean train loss of the last 5 steps is not at least 2% below
-  the loss of the first step (the model as initialised);
+  steps (or the first step after it with 5 losses to average), the mean
+  train loss of the last 5 steps is not at least 2% below the loss of the
+  first step (the model as initialised);
 - **risen**: at any later step, the mean of the last 5 steps is above that
   first loss, so everything learned is lost.
 
@@ -36,6 +37,9 @@ class DivergenceWatch:
     start: tuple[int, float] | None = None  # the first step's loss
     recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=WINDOW))
     said: str | None = None
+    fall_checked: bool = (
+        False  # "not falling" looks once, at the first full window from the stretch
+    )
 
     @classmethod
     def for_warmup(cls, warmup: int) -> DivergenceWatch:
@@ -50,17 +54,17 @@ class DivergenceWatch:
             return None
         first_step, first = self.start
         mean = sum(v for _, v in self.recent) / len(self.recent)
-        span = f"{self.recent[0][0]}-{step}"
-        if step == self.stretch and mean >= first * (1 - MIN_FALL):
-            self.said = (
-                f"the loss has not fallen by step {step} (mean {mean:.4f} over steps {span}, "
-                f"{first:.4f} at step {first_step}): the run is not learning; check the "
-                "learning rate (--lr, --muon-lr)"
-            )
+        span = f"steps {self.recent[0][0]}-{step}, {first:.4f} at step {first_step}"
+        if not self.fall_checked and step >= self.stretch:
+            self.fall_checked = True
+            if mean >= first * (1 - MIN_FALL):
+                self.said = (
+                    f"the loss has not fallen by step {step} (mean {mean:.4f} over {span}): the "
+                    "run is not learning; check the learning rate (--lr, --muon-lr)"
+                )
         elif step > self.stretch and mean > first:
             self.said = (
-                f"the loss has risen above its start by step {step} (mean {mean:.4f} over steps "
-                f"{span}, {first:.4f} at step {first_step}): the run is diverging; lower the "
-                "learning rate (--lr, --muon-lr)"
+                f"the loss has risen above its start by step {step} (mean {mean:.4f} over "
+                f"{span}): the run is diverging; lower the learning rate (--lr, --muon-lr)"
             )
         return self.said

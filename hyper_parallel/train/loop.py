@@ -169,6 +169,7 @@ def train(
             is the caller's, installed already; by default ``train``
             catches SIGTERM itself while its runs train.
     """
+    forget_stopped_summary(config.out)
     config.validate()
     check_paths(config)
     data = load_data(config)
@@ -197,6 +198,24 @@ def _train_checked(
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+def forget_stopped_summary(out: Path) -> None:
+    """Remove ``out``'s summary of a run that stopped early (rank 0), before anything is checked.
+
+    The summary says how the last attempt ended (``hyper-parallel outcome``):
+    an earlier "preempted" must not answer for this attempt if it is refused
+    or crashes before writing its own, or a job script would requeue it
+    forever. A finished run's summary stays: ``--resume`` of it changes nothing.
+    """
+    path = out / "summary.json"
+    if int(os.environ.get("RANK", "0")) != 0 or not path.is_file():
+        return
+    try:
+        if json.loads(path.read_text(encoding="utf-8")).get("exit_code", 0) != 0:
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: check_paths and the run's own writes say what is wrong
 
 
 def _finished(config: TrainConfig, resumed: dict[str, Verified | None]) -> bool:
@@ -241,9 +260,7 @@ def _train_placed(
         if config.overwrite and not config.resume:  # the run being replaced leaves nothing behind
             for name in RUN_OUTPUTS:
                 (config.out / name).unlink(missing_ok=True)
-        # A summary says how the last run ended (``hyper-parallel outcome``): an earlier
-        # attempt's must not answer for this one if it crashes before writing its own.
-        (config.out / "summary.json").unlink(missing_ok=True)
+        (config.out / "summary.json").unlink(missing_ok=True)  # this run writes its own
         processes = f" on {placement.world_size} processes" if placement.world_size > 1 else ""
         echo(
             f"training {' then '.join(run_names(config))} for {config.steps} steps on "

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
+from hyper_parallel.core.errors import HyperParallelRuntimeError
 from hyper_parallel.core.optimizer import (
     ChainedOptimizer,
     HyperLRScheduler,
@@ -42,7 +43,7 @@ _MAX_SKIPS_IN_A_ROW = 10
 _LOWER_LR = "lower the learning rate (--lr, --muon-lr)"
 
 
-class NonFiniteRun(Exception):
+class NonFiniteRun(HyperParallelRuntimeError):
     """The run's params, optimizer state or gradients went NaN/Inf: it stops, keeping nothing of it."""
 
 
@@ -340,9 +341,8 @@ class _Run:
         self.result.skipped.append(step)
         self.metrics.write({"run": self.name, "step": step, "skipped": "non-finite gradient"})
         if not math.isfinite(loss) and (bad := non_finite_state(self.model, self.optimizer)):
-            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
             raise NonFiniteRun(
-                f"{self.name}: stopped at step {step}: the loss is {loss} and {bad[0]}{more} "
+                f"{self.name}: stopped at step {step}: the loss is {loss} and {bad.summary} "
                 f"holds NaN or Inf{self._kept()}; {_LOWER_LR}"
             )
         if self.skipped_in_a_row >= _MAX_SKIPS_IN_A_ROW:
@@ -353,9 +353,7 @@ class _Run:
 
     def _kept(self) -> str:
         """What the checkpoints hold, for a run stopped by NaN/Inf: only finite state."""
-        if self.saved_at is None:
-            return ""
-        return f"; the newest checkpoint, step {self.saved_at}, holds finite state"
+        return "; no checkpoint holds it" if self.checkpoints is not None else ""
 
     def _watch(self, step: int, loss: float) -> None:
         """Say once, on rank 0, and record, when the divergence rule holds."""
@@ -562,7 +560,8 @@ def run_one(
             run.step(step)
             if run.checkpoints is not None:
                 run.checkpoints.check()
-            if preemption is not None and preemption.requested(run.placement.device):
+            asked = preemption is not None and preemption.requested(run.placement.device)
+            if asked and step < config.steps:  # at the last step the run has simply finished
                 run.save(step)
                 run.result.preempted = True
                 break

@@ -23,6 +23,7 @@ from hyper_parallel.core.optimizer._matrix import (
     new_or_into,
 )
 from hyper_parallel.core.optimizer._nonfinite import (
+    NonFiniteTensors,
     grads_are_finite,
     named_training_state,
     non_finite,
@@ -45,6 +46,7 @@ __all__ = [
     "MatrixOptimizer",
     "MomentumRule",
     "Muon",
+    "NonFiniteTensors",
     "Sinkhorn",
     "SwapOptimizer",
     "SwapOptimizerConfig",

@@ -20,12 +20,24 @@ from hyper_parallel.core._grads import grad_tensors
 from hyper_parallel.core.distributed._dtensor import local_tensor
 
 __all__ = [
+    "NonFiniteTensors",
     "grads_are_finite",
     "named_training_state",
     "non_finite",
     "non_finite_state",
     "step_if_finite",
 ]
+
+
+class NonFiniteTensors(list[str]):
+    """The names of the tensors that hold NaN or Inf, in order; empty when all are finite."""
+
+    @property
+    def summary(self) -> str:
+        """The first name, and how many more: ``"lm_head.weight (and 3 more)"``."""
+        if not self:
+            return "no tensor"
+        return self[0] + (f" (and {len(self) - 1} more)" if len(self) > 1 else "")
 
 
 def _distributed() -> bool:
@@ -99,7 +111,7 @@ def non_finite(
     *,
     group: dist.ProcessGroup | None = None,
     local: bool = False,
-) -> list[str]:
+) -> NonFiniteTensors:
     """The names of the tensors in ``named`` that hold NaN or Inf, on any rank.
 
     Sharded tensors (DTensors) are checked on their local shards; under a
@@ -114,16 +126,16 @@ def non_finite(
         local: Check this process's tensors alone, without a collective.
     """
     pairs = named.items() if isinstance(named, Mapping) else named
-    mine = _local_non_finite(pairs)
+    mine = NonFiniteTensors(_local_non_finite(pairs))
     if local or not _distributed() or dist.get_world_size(group) == 1:
         return mine
     count = torch.tensor([len(mine)], dtype=torch.int64, device=_collective_device(group))
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     if not int(count.item()):
-        return []
+        return NonFiniteTensors()
     everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    return list(dict.fromkeys(name for names in everyone for name in names or ()))
+    return NonFiniteTensors(dict.fromkeys(name for names in everyone for name in names or ()))
 
 
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -159,7 +171,7 @@ def named_training_state(
                     yield f"{opt_name} state {names.get(id(param), '?')}.{key}", value
 
 
-def non_finite_state(model: nn.Module, optimizer: Optimizer) -> list[str]:
+def non_finite_state(model: nn.Module, optimizer: Optimizer) -> NonFiniteTensors:
     """The params, main params and optimizer state of a training run that hold NaN or Inf.
 
     Collective under a process group (see :func:`non_finite`). Call it when
