@@ -1,4 +1,4 @@
-"""Checkpoint benchmark: checksum speed by algorithm, a save's training stall, the checksums' share.
+"""Checkpoint benchmark: checksums, a save's training stall, the non-finite check, a load's memory.
 
 Run from the repository root::
 
@@ -13,30 +13,48 @@ Rows:
 - how long ``save`` holds the training loop: asynchronous (until the state is
   copied to CPU memory) against synchronous (until the checkpoint is committed);
 - the checksums' share of a synchronous save (the rank's fsync'd checksum pass
-  against the whole save).
+  against the whole save);
+- the NaN/Inf check a save makes before it writes (``non_finite`` over the
+  tensors it saves, timed inside each save) against the synchronous save and
+  against the training stall of the asynchronous one (which runs it before
+  its copy), and the same call timed alone against one optimizer step;
+- the peak extra memory of ``checkpoint.load`` into a live model and
+  optimizer (it stages a second copy of what it reads), measured as the
+  resident set's high-water mark in a fresh process (Linux), against the
+  checkpoint's size and against DCP reading in place into the live tensors.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import json
 import mmap
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["case_checkpoint", "checkpoint_model"]
+__all__ = ["case_checkpoint", "checkpoint_model", "load_peaks"]
 
 _CHUNK = 8 << 20
 
 
-def checkpoint_model(params: int) -> tuple[Any, Any]:
-    """A GPT-style model of about ``params`` params and its Muon + AdamW optimizer, stepped once."""
+def checkpoint_model(params: int, *, stepped: bool = True) -> tuple[Any, Any]:
+    """A GPT-style model of about ``params`` params and its Muon + AdamW optimizer, stepped once.
+
+    The gradients of that step stay set, so ``optimizer.step()`` can be timed
+    again; ``stepped=False`` leaves the optimizer without state (and no
+    gradients).
+    """
     from hyper_parallel.core.optimizer import get_hyper_optimizer
     from hyper_parallel.train.model import GPTConfig, TinyGPT
 
@@ -47,9 +65,10 @@ def checkpoint_model(params: int) -> tuple[Any, Any]:
     model = TinyGPT(GPTConfig(vocab_size=vocab, seq_len=128, dim=dim, layers=layers,
                               heads=dim // 64, mlp_hidden=8 * dim // 3))  # fmt: skip
     optimizer = get_hyper_optimizer(model)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    optimizer.step()  # the optimizer state exists, as in training
+    if stepped:
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()  # the optimizer state exists, as in training
     return model, optimizer
 
 
@@ -106,11 +125,16 @@ def case_checkpoint(settings: Any) -> Iterator[Any]:
                                                        async_save=mode == "async")
                     for mode in ("sync", "async")}  # fmt: skip
         times: dict[str, list[float]] = {"sync": [], "async": [], "checksums": []}
+        times |= {"check in sync": [], "check in async": []}
+        checks: list[float] = []
+        saved_tensors: dict[str, Any] = {}
         for step in range(settings.repeats):  # as a training loop saves: one manager each
             for mode in ("sync", "async") if step % 2 == 0 else ("async", "sync"):
-                begin = time.perf_counter()
-                managers[mode].save(step, model=model, optimizer=optimizer)
-                times[mode].append(time.perf_counter() - begin)
+                with _check_timed(checks, saved_tensors):
+                    begin = time.perf_counter()
+                    managers[mode].save(step, model=model, optimizer=optimizer)
+                    times[mode].append(time.perf_counter() - begin)
+                times[f"check in {mode}"].append(checks[-1])
                 managers[mode].wait()
             begin = time.perf_counter()
             checksum_share(managers["sync"].path_for(step))
@@ -126,7 +150,189 @@ def case_checkpoint(settings: Any) -> Iterator[Any]:
                   medians["checksums"], "synchronous save", medians["sync"], "s", "<= 0.05",
                   "", command)  # fmt: skip
         yield from _algorithm_rows(files, size, settings.repeats, command)
+        yield Row(f"{what}: the non-finite check's share of a save",
+                  "non-finite check (in the save)", medians["check in sync"], "synchronous save",
+                  medians["sync"], "s", "", "timed inside the same saves", command)  # fmt: skip
+        yield Row(f"{what}: the non-finite check's share of an async save's stall",
+                  "non-finite check (in the save)", medians["check in async"], "async save",
+                  medians["async"], "s", "", "timed inside the same saves", command)  # fmt: skip
+        check_s, step_s = _check_against_step(saved_tensors, optimizer, settings.repeats)
+        yield Row(f"{what}: the non-finite check against a training step",
+                  "non_finite(flat_tensors(saved))", check_s, "optimizer step (Muon + AdamW)",
+                  step_s, "s", "", "", command)  # fmt: skip
+        yield from _load_memory_rows(what, saved, size, params, command)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def _check_timed(into: list[float], seen: dict[str, Any]) -> Iterator[None]:
+    """Time the save's own NaN/Inf check (``_save._refuse_non_finite``) into ``into``.
+
+    ``seen["tensors"]`` keeps the last state dict it checked: the tensors a
+    save writes, to time the same call on its own.
+    """
+    from hyper_parallel.checkpoint import _save
+
+    real = _save._refuse_non_finite
+
+    def timed(target: Path, tensors: dict[str, Any]) -> None:
+        begin = time.perf_counter()
+        try:
+            real(target, tensors)
+        finally:
+            into.append(time.perf_counter() - begin)
+        seen["tensors"] = tensors
+
+    _save._refuse_non_finite = timed  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _save._refuse_non_finite = real  # type: ignore[assignment]
+
+
+def _check_against_step(saved: dict[str, Any], optimizer: Any, repeats: int) -> tuple[float, float]:
+    """Median seconds of the save's check alone and of one optimizer step, timed in turns.
+
+    The optimizer stepped once already (the warm-up) and keeps its gradients;
+    at most 3 steps are timed, as a step of the full-size model takes seconds.
+    """
+    from hyper_parallel.checkpoint._tensors import flat_tensors
+    from hyper_parallel.core.optimizer import non_finite
+
+    tensors = saved["tensors"]
+    assert not non_finite(flat_tensors(tensors))  # warm, and the state is healthy
+    runs: dict[str, Callable[[], object]] = {
+        "check": lambda: non_finite(flat_tensors(tensors)),  # what a save runs
+        "step": optimizer.step,
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for repeat in range(min(repeats, 3)):
+        for name in runs if repeat % 2 == 0 else reversed(list(runs)):
+            begin = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - begin)
+    return statistics.median(times["check"]), statistics.median(times["step"])
+
+
+def _load_memory_rows(what: str, ckpt: Path, size: int, params: int, command: str) -> Iterator[Any]:
+    """Peak extra memory of a load, from a fresh process: against the size, and in place."""
+    from benchmarks.suite import Row
+
+    case = f"{what}: peak extra memory of a load"
+    code = (
+        "import json, sys; from benchmarks.checkpoint import load_peaks; "
+        "print(json.dumps(load_peaks(sys.argv[1], int(sys.argv[2]))))"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code, str(ckpt), str(params)],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    peaks: dict[str, Any] = {}
+    note = ""
+    if found.returncode == 0:
+        peaks = json.loads(found.stdout.strip().splitlines()[-1])
+        note = peaks.pop("note", "")
+    else:
+        note = f"measuring failed: {(found.stderr.strip().splitlines() or ['?'])[-1][:120]}"
+    ours, in_place = (
+        None if peaks.get(key) is None else peaks[key] / 2**20 for key in ("staged", "in_place")
+    )
+    yield Row(case, "checkpoint.load (staged)", ours, "checkpoint size", size / 2**20, "MiB",
+              "", note, command)  # fmt: skip
+    yield Row(case, "checkpoint.load (staged)", ours, "DCP read in place (no staging)",
+              in_place, "MiB", "", note, command)  # fmt: skip
+
+
+def _memory_kib() -> dict[str, int]:
+    """This process's resident set now and its high-water mark, in KiB (Linux)."""
+    found = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            found[key] = int(value.split()[0])
+    return found
+
+
+def _peak_extra(run: Callable[[], object]) -> int:
+    """Bytes the resident set grew to at most while ``run`` ran, above where it started.
+
+    Freed heap memory is returned to the system first and the high-water mark
+    reset (``/proc/self/clear_refs``), so the peak is this call's alone.
+    """
+    import gc
+
+    gc.collect()
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc: freed heap back to the system
+    if trim is not None:
+        trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _memory_kib()["VmRSS"]
+    run()
+    return (_memory_kib()["VmHWM"] - before) * 1024
+
+
+def load_peaks(path: str, params: int) -> dict[str, Any]:
+    """Peak extra bytes of ``checkpoint.load`` and of DCP reading in place (run in a fresh process).
+
+    The model and optimizer are built as the checkpoint's and loaded once
+    first, so the optimizer state exists (as in a run that resumes into live
+    objects) and neither figure counts it; then each read is measured alone.
+    The load is measured once its files' checksums passed: that pass maps the
+    files (page cache, nothing allocated), which the resident set would count.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from hyper_parallel import checkpoint
+    from hyper_parallel.checkpoint import _load
+    from hyper_parallel.checkpoint._state import (
+        OptimizerView,
+        SafeReader,
+        named_optimizers,
+        quiet_single_process,
+        split_optimizer,
+    )
+
+    if not Path("/proc/self/clear_refs").exists():
+        return {"note": "needs Linux's /proc/self/clear_refs"}
+    ckpt = Path(path)
+    model, optimizer = checkpoint_model(params, stepped=False)
+    checkpoint.load(ckpt, model=model, optimizer=optimizer)  # makes the optimizer state
+
+    def in_place() -> None:  # a load without staging: DCP reads into the live tensors
+        view = OptimizerView(model, optimizer)
+        tensors: dict[str, Any] = {"model": get_model_state_dict(model), "optim": {}}
+        if view.mains:
+            tensors["main"] = view.mains
+        for name, opt in named_optimizers(optimizer).items():
+            tensors["optim"][name] = split_optimizer(
+                get_optimizer_state_dict(view.module, opt), name
+            )[0]
+        with quiet_single_process():
+            dcp_load(tensors, storage_reader=SafeReader(ckpt), no_dist=True)
+
+    staged: list[int] = []
+    real = _load._load_verified
+
+    def measured(*args: Any) -> int:  # the load once its files' checksums passed
+        step: list[int] = []
+        staged.append(_peak_extra(lambda: step.append(real(*args))))
+        return step[0]
+
+    _load._load_verified = measured  # type: ignore[assignment]
+    try:
+        checkpoint.load(ckpt, model=model, optimizer=optimizer)
+    finally:
+        _load._load_verified = real  # type: ignore[assignment]
+    return {
+        "staged": staged[0],
+        "in_place": _peak_extra(in_place),
+        "note": "resident set's high-water mark above its start, in a fresh process; "
+        "the checksum pass before the read is not counted",
+    }
 
 
 def _algorithm_rows(files: list[Path], size: int, repeats: int, command: str) -> Iterator[Any]:
