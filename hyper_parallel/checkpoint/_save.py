@@ -130,8 +130,9 @@ def make_job(
 def _refuse_non_finite(target: Path, tensors: dict[str, Any]) -> None:
     """Raise :class:`NonFiniteStateError` if any tensor to save holds NaN or Inf (every rank alike).
 
-    One fused pass over what is saved and one small all-reduce: a fraction
-    of the save's own cost (``python -m benchmarks --cases checkpoint``).
+    One ``aminmax`` pass over what is saved and one small all-reduce: 4% of
+    a synchronous save, a third of an asynchronous one's training stall
+    (docs/benchmarks.md, ``python -m benchmarks --cases checkpoint``).
     """
     bad = non_finite(flat_tensors(tensors))
     if bad:

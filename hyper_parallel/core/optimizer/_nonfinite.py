@@ -85,25 +85,28 @@ def step_if_finite(optimizer: Optimizer) -> bool:
 def _local_non_finite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names, in order, of this process's tensors (local shards) holding NaN or Inf.
 
-    One fused pass per device and dtype: the largest magnitude of each tensor
-    (``inf``-norm: NaN propagates, and unlike a 2-norm it cannot overflow),
-    then one read of the verdicts.
+    One pass over each tensor for its smallest and largest value (NaN
+    propagates to both, an Inf is one of them, and nothing can overflow),
+    then one read of the verdicts per device and dtype. ``aminmax`` runs at about five
+    times the speed of an ``inf``-norm on CPU (docs/benchmarks.md).
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = defaultdict(
-        list
-    )
-    order: dict[str, int] = {}
+    names: list[str] = []
+    # per device and dtype: a float64 extreme cast down could overflow into a false Inf
+    extremes: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    owners: dict[tuple[torch.device, torch.dtype], list[str]] = defaultdict(list)
     for name, tensor in named:
         local = local_tensor(tensor).detach()
-        if (local.is_floating_point() or local.is_complex()) and local.numel():
-            groups[(local.device, local.dtype)].append((name, local))
-            order.setdefault(name, len(order))
-    bad: list[str] = []
-    for members in groups.values():
-        peaks = torch._foreach_norm([t for _, t in members], float("inf"))
-        finite = torch.isfinite(torch.stack(peaks)).tolist()
-        bad.extend(name for (name, _), ok in zip(members, finite, strict=True) if not ok)
-    return sorted(bad, key=order.__getitem__)
+        if local.is_complex():
+            local = torch.view_as_real(local)
+        if local.is_floating_point() and local.numel():
+            names.append(name)
+            extremes[(local.device, local.dtype)].append(torch.stack(torch.aminmax(local)))
+            owners[(local.device, local.dtype)].append(name)
+    bad: set[str] = set()
+    for kind, pairs in extremes.items():
+        finite = torch.isfinite(torch.stack(pairs)).all(dim=1).tolist()
+        bad.update(name for name, ok in zip(owners[kind], finite, strict=True) if not ok)
+    return [name for name in dict.fromkeys(names) if name in bad]
 
 
 def non_finite(
