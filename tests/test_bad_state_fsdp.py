@@ -92,6 +92,7 @@ def _nan_on_rank_1(rank: int, world_size: int, root: str) -> None:
         result["save_refused"] = None
     torch.distributed.barrier()  # every rank has finished (or refused) before anyone looks
     result["after_refused_save"] = sorted(p.name for p in ckpts.iterdir())
+    torch.distributed.barrier()  # and every rank has looked before rank 0 saves again
 
     # 3. a step-2 checkpoint holding the NaN, written past the check as an older version
     # would: load_latest passes over it, on every rank, and loads step 1 exactly

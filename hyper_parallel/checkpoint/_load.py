@@ -215,7 +215,7 @@ def _read_staged(ckpt: Path, staged: dict[str, Any]) -> None:
 
 
 def _check_shapes(ckpt: Path, saved: Mapping[str, Any], wanted: Mapping[str, torch.Tensor]) -> None:
-    """ "Does not fit": a tensor to load that the checkpoint lacks, or holds at another shape."""
+    """Refuse, as not fitting, a tensor to load that the checkpoint lacks or holds at another shape."""
     for key, tensor in wanted.items():
         held = saved.get(key)
         if not isinstance(held, TensorStorageMetadata):

@@ -348,12 +348,12 @@ class _Run:
         if self.skipped_in_a_row >= _MAX_SKIPS_IN_A_ROW:
             raise NonFiniteRun(
                 f"{self.name}: stopped at step {step}: {self.skipped_in_a_row} steps in a row had "
-                f"non-finite gradients (loss {loss}){self._kept()}; {_LOWER_LR}"
+                f"non-finite gradients (loss {loss}); {_LOWER_LR}"
             )
 
     def _kept(self) -> str:
         """What the checkpoints hold, for a run stopped by NaN/Inf: only finite state."""
-        return "; no checkpoint holds it" if self.checkpoints is not None else ""
+        return "; no checkpoint keeps it" if self.checkpoints is not None else ""
 
     def _watch(self, step: int, loss: float) -> None:
         """Say once, on rank 0, and record, when the divergence rule holds."""
