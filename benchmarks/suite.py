@@ -40,6 +40,7 @@ import torch
 from benchmarks.checkpoint import case_checkpoint
 from benchmarks.ns_paths import case_paths
 from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
+from benchmarks.preemption import case_preemption
 from benchmarks.swap import case_swap
 
 __all__ = ["CASES", "Row", "expert_shapes", "main", "plot_label", "transformer_shapes"]
@@ -712,6 +713,7 @@ CASES: dict[str, Callable[[Settings], Iterator[Row]]] = {
     "checkpoint": case_checkpoint,
     "swap": case_swap,
     "paths": case_paths,
+    "preemption": case_preemption,
 }
 
 
