@@ -11,6 +11,7 @@ from __future__ import annotations
 
 __all__ = [
     "DuplicatePluginError",
+    "HyperParallelAttributeError",
     "HyperParallelConfigError",
     "HyperParallelError",
     "HyperParallelImportError",
@@ -51,6 +52,10 @@ class HyperParallelRuntimeError(HyperParallelError, RuntimeError):
 
 class HyperParallelKeyError(HyperParallelError, KeyError):
     """A key (a param, a sub-optimizer) is not where it was looked up."""
+
+
+class HyperParallelAttributeError(HyperParallelError, AttributeError):
+    """An attribute that does not apply to this object: ``hasattr`` and ``getattr(..., default)`` say no."""
 
 
 class HyperParallelImportError(HyperParallelError, ImportError):

@@ -16,6 +16,7 @@ data, or per byte / per character for a user's file.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 import random
@@ -114,7 +115,8 @@ class TokenizedText:
         """A SHA-256 of both splits' token ids and the alphabet: the same data gives the same digest."""
         h = hashlib.sha256((self.alphabet or "").encode("utf-8"))
         for ids in (self.train, self.val):
-            h.update(ids.to(torch.int64).contiguous().numpy().tobytes())
+            flat = ids.to(torch.int64).contiguous()  # its bytes, read without numpy
+            h.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
         return h.hexdigest()
 
     def decode(self, ids: list[int]) -> str:

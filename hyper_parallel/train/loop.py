@@ -17,6 +17,7 @@ from hyper_parallel.train.outcome import exit_code
 from hyper_parallel.train.placement import Placement, place
 from hyper_parallel.train.preflight import (
     RUN_OUTPUTS,
+    check_dependencies,
     check_memory,
     check_paths,
     check_resume,
@@ -171,6 +172,7 @@ def train(
     """
     forget_stopped_summary(config.out)
     config.validate()
+    check_dependencies(config)
     check_paths(config)
     data = load_data(config)
     with run_folders_locked(config):

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RUN_OUTPUTS",
     "available_memory_bytes",
+    "check_dependencies",
     "check_memory",
     "check_paths",
     "check_resume",
@@ -39,6 +40,33 @@ RUN_OUTPUTS = ("metrics.jsonl", "loss_curves.png", "summary.json")
 
 
 # -- paths --------------------------------------------------------------------------
+
+
+def check_dependencies(config: TrainConfig) -> None:
+    """The packages of the ``train`` extra that this run imports: the plot's, and the bar's.
+
+    Checked before anything is written, so that a run refused for one leaves
+    nothing behind that blocks its retry.
+    """
+    needed = {"matplotlib": "the loss plot"}
+    if config.progress:
+        needed["tqdm"] = "the progress bar (--no-progress goes without it)"
+    missing = {name: why for name, why in needed.items() if not _importable(name)}
+    if missing:
+        what = "; ".join(f"{name}, for {why}" for name, why in missing.items())
+        raise TrainError(
+            f"hyper-parallel train needs packages that are not installed ({what}); "
+            'install them with: pip install "hyper-parallel[train]"'
+        )
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, or a broken one
+        return False
 
 
 def check_paths(config: TrainConfig) -> None:

@@ -61,3 +61,8 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names with the ones loaded on first use, for tab completion and ``dir()``."""
+    return sorted(set(globals()) | set(__all__))

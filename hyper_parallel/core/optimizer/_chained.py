@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from hyper_parallel.core.compat import OPTIMIZER_HOOKS, init_optimizer_hooks, optimizer_hook_dict
 from hyper_parallel.core.errors import (
+    HyperParallelAttributeError,
     HyperParallelKeyError,
     HyperParallelTypeError,
     HyperParallelValueError,
@@ -235,10 +236,13 @@ class ChainedOptimizer(Optimizer):
         """The one sub-optimizer of a chain that has one (HyperParallel's ``.optimizer``).
 
         Raises:
-            ValueError: the chain has more than one; pick one from :attr:`optimizers`.
+            AttributeError: the chain has more than one; pick one from
+                :attr:`optimizers`. An ``AttributeError``, so that wrappers that
+                ask ``hasattr(optimizer, "optimizer")`` (accelerate's, under
+                Hugging Face ``Trainer``) hear "no" rather than crash.
         """
         if len(self.optimizers) != 1:
-            raise HyperParallelValueError(
+            raise HyperParallelAttributeError(
                 f"ChainedOptimizer has more than one optimizer ({', '.join(self.optimizers)}); "
                 "pick one with optimizer.optimizers[name]."
             )
