@@ -181,8 +181,14 @@ def test_ctrl_c_mid_run_says_which_step_the_last_validation_was(
     assert _train(["--steps", "6", "--eval-every", "2", "--out", str(out)]) == 130
     run = json.loads((out / "summary.json").read_text())["runs"]["muon+adamw"]
     assert (run["steps"], run["final_train_step"], run["final_val_step"]) == (3, 3, 2)
-    assert "(at step 2)  (interrupted)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "(at step 2)  (interrupted)" in printed
+    assert "it cannot be resumed: it saved no checkpoints (--checkpoint-dir DIR" in printed
     assert (out / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+    _interrupt_on_call(monkeypatch, "step", 4)
+    saved = ["--steps", "6", "--out", str(tmp_path / "c"), "--checkpoint-dir", str(tmp_path / "k")]
+    assert _train(saved) == 130
+    assert "run the same command with --resume" in capsys.readouterr().out
 
 
 def test_after_a_resume_metrics_hold_no_row_twice(

@@ -74,3 +74,16 @@ def test_names_loaded_on_first_use_are_in_dir_for_tab_completion() -> None:
         assert name in dir(hyper_parallel), name
     assert {"fully_shard", "init_device_mesh", "clip_grad_norm_"} <= set(dir(distributed))
     assert set(hyper_parallel.__all__) <= set(dir(hyper_parallel))
+
+
+def test_a_number_where_the_schedule_name_goes_says_where_it_belongs() -> None:
+    from hyper_parallel import get_hyper_lr_scheduler
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = get_hyper_optimizer(model)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    with pytest.raises(TypeError, match=r'got int 1000; .*"cosine", total_steps=1000\)'):
+        get_hyper_lr_scheduler(optimizer, 1000)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"needs total_steps=N"):
+        get_hyper_lr_scheduler(optimizer, "cosine")
+    assert [g["lr"] for g in optimizer.param_groups] == lrs

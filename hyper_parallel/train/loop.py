@@ -121,6 +121,16 @@ def _run_line(label: str, run: dict[str, Any]) -> str:
     )
 
 
+def _resume_hint(config: dict[str, Any]) -> str:
+    """How a run stopped by Ctrl-C or SIGTERM goes on: --resume, with its checkpoints."""
+    if config.get("checkpoint_dir"):
+        return (
+            "to go on from the last checkpoint, run the same command with --resume "
+            f"(checkpoints in {config['checkpoint_dir']})"
+        )
+    return "it cannot be resumed: it saved no checkpoints (--checkpoint-dir DIR saves them)"
+
+
 def _label_of_first(summary: dict[str, Any]) -> str:
     name, run = next(iter(summary["runs"].items()))
     return str(run.get("label", name))
@@ -130,6 +140,8 @@ def _print_summary(summary: dict[str, Any], out: Path, echo: Callable[[str], Non
     echo(f"data: {summary['data']}")
     for name, run in summary["runs"].items():
         echo(_run_line(run.get("label", name), run))
+    if any(run["interrupted"] or run.get("preempted") for run in summary["runs"].values()):
+        echo(_resume_hint(summary["config"]))
     cmp = summary.get("comparison")
     if cmp:
         ours = _label_of_first(summary)

@@ -345,6 +345,23 @@ class HyperLRScheduler(LRScheduler):
         self._last_lr = [float(x) for x in lrs]
 
 
+def _required_total_steps(scheduler_type: object, total_steps: int | None) -> int:
+    """``total_steps``, which is required; a number where the name goes says where it belongs."""
+    if not isinstance(scheduler_type, str):
+        steps = f"total_steps={scheduler_type!r}" if total_steps is None else "total_steps=..."
+        raise HyperParallelTypeError(
+            f"get_hyper_lr_scheduler's second argument is the schedule's name, got "
+            f"{type(scheduler_type).__name__} {scheduler_type!r}; the steps go by keyword: "
+            f'get_hyper_lr_scheduler(optimizer, "cosine", {steps}).'
+        )
+    if total_steps is None:
+        raise HyperParallelTypeError(
+            f"get_hyper_lr_scheduler(optimizer, {scheduler_type!r}) needs total_steps=N, the "
+            "steps the schedule spans."
+        )
+    return total_steps
+
+
 def _resolve_schedule_name(scheduler_type: str, decay_style: str | None) -> str:
     if decay_style is None:
         return scheduler_type
@@ -474,7 +491,7 @@ def get_hyper_lr_scheduler(
     optimizer: Optimizer,
     scheduler_type: str = _DEFAULT_SCHEDULE,
     *,
-    total_steps: int,
+    total_steps: int | None = None,
     warmup_steps: int = 0,
     warmup_ratio: float = 0.0,
     decay_style: str | None = None,
@@ -506,7 +523,7 @@ def get_hyper_lr_scheduler(
             lists them): built in are ``constant`` (``constant_with_warmup``),
             ``linear``, ``cosine``, ``cosine_with_restarts``, ``polynomial``,
             ``inverse_sqrt`` and ``wsd`` (``WSD``).
-        total_steps: Steps the schedule spans, at least 1.
+        total_steps: Steps the schedule spans, at least 1 (required, by keyword).
         warmup_steps: Steps of linear warmup, at most ``total_steps``.
         warmup_ratio: HyperParallel's: ``int(warmup_ratio * total_steps)``
             warmup steps, ratio in ``[0, 1]``; not together with ``warmup_steps``.
@@ -540,6 +557,7 @@ def get_hyper_lr_scheduler(
             with the option it stands for. Nothing about the optimizer has
             changed when any of these is raised.
     """
+    total_steps = _required_total_steps(scheduler_type, total_steps)
     name = _resolve_schedule_name(scheduler_type, decay_style)
     entry = get_registry().get(PluginKind.LR_SCHEDULER, name)
     sig = _signature(entry.obj)
