@@ -55,13 +55,8 @@ def grads_are_finite(optimizer: Optimizer) -> bool:
     (and must all call this).
     """
     grads = [g for p in grad_tensors(optimizer) if (g := p.grad) is not None]
-    local_ok = all(bool(torch.isfinite(g).all()) for g in map(local_tensor, grads) if g.numel())
-    if _distributed():
-        device = grads[0].device if grads else torch.device("cpu")
-        flag = torch.tensor([0.0 if local_ok else 1.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() == 0.0)
-    return local_ok
+    # the same pass as any state check: one read of the verdicts, not one per gradient
+    return not non_finite((str(i), g) for i, g in enumerate(grads))
 
 
 def step_if_finite(optimizer: Optimizer) -> bool:
