@@ -8,7 +8,11 @@
   root ``conftest.py`` runs every page's blocks through Sybil);
 * the plugin guide's example package, written out from its titled blocks,
   installs and passes its own tests, and the guide's blocks run against it;
-* ``mkdocs build --strict`` passes (when mkdocs is installed).
+* ``mkdocs build --strict`` passes (when mkdocs is installed);
+* the README, which is the package index's page too, links and shows images by
+  absolute addresses only, and every one into the repository names a file that exists;
+* the README's quick start is what CI runs, and every editable install the pages
+  and CI make is the strict one that type checkers read.
 """
 
 from __future__ import annotations
@@ -373,3 +377,107 @@ def test_ci_runs_the_readme_quick_start_verbatim_and_in_order() -> None:
     ]
     assert positions == sorted(positions), "the quick start's commands run in the README's order"
     assert ci.find(commands[-1]) < ci.find("ruff check")  # the user's commands come first
+
+
+# -- the README on a package index ---------------------------------------------
+
+REPOSITORY = "https://github.com/hyper-parallel/hyper_parallel"
+#: A link into the repository: a file (blob), a folder (tree), a file's bytes (raw).
+_REPOSITORY_LINK = re.compile(
+    r"(?:https://github\.com/hyper-parallel/hyper_parallel/(?P<kind>blob|tree)/main/"
+    r"|https://raw\.githubusercontent\.com/hyper-parallel/hyper_parallel/main/)"
+    r"(?P<path>[^#?]+)(?:[#?].*)?"
+)
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+_COMMENT = re.compile(r"<!--.*?-->", re.S)
+_CODE_SPAN = re.compile(r"(`+).+?\1", re.S)
+_INLINE = re.compile(r"(!?)\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.M)
+_HTML = re.compile(r"<(img|a)\b[^>]*?\b(?:src|href)\s*=\s*[\"']([^\"']+)", re.I)
+
+
+def _links(markdown: str) -> list[tuple[str, str]]:
+    """``(kind, target)`` of every link (``link``) and image (``image``) of a Markdown page.
+
+    Code (fenced blocks and spans) and HTML comments are not read: a link there
+    is text, not a link.
+    """
+    text = _CODE_SPAN.sub("", _FENCE.sub("", _COMMENT.sub("", markdown)))
+    found = [("image" if bang else "link", target) for bang, target in _INLINE.findall(text)]
+    found += [("link", target) for target in _REFERENCE.findall(text)]
+    found += [("image" if tag.lower() == "img" else "link", t) for tag, t in _HTML.findall(text)]
+    return found
+
+
+def test_links_reads_links_images_and_skips_code() -> None:
+    page = (
+        "See [the guide](docs/user-guide.md) and [`api`](https://x.org/a#b).\n"
+        '![a plot](docs/img/p.png "title")\n'
+        "[ref]: docs/ref.md\n"
+        '<img src="img/b.png" alt="b">\n'
+        "`[not a link](nowhere.md)`\n"
+        "```python\nx = '[not a link](nowhere.md)'\n```\n"
+        "<!-- [hidden](nowhere.md) -->\n"
+    )
+    assert sorted(_links(page)) == sorted(
+        [
+            ("link", "docs/user-guide.md"),
+            ("link", "https://x.org/a#b"),
+            ("image", "docs/img/p.png"),
+            ("link", "docs/ref.md"),
+            ("image", "img/b.png"),
+        ]
+    )
+
+
+def test_readme_links_and_images_are_absolute() -> None:
+    """On a package index the README is read away from the repository: a relative link breaks."""
+    links = _links((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert links, "found no link in README.md"
+    relative = [target for _, target in links if not target.startswith("https://")]
+    assert not relative, f"README.md links by relative (or non-https) address: {relative}"
+    images = [target for kind, target in links if kind == "image"]
+    assert images, "README.md shows no image"
+    not_raw = [t for t in images if not t.startswith("https://raw.githubusercontent.com/")]
+    assert not not_raw, f"README.md shows images that are not raw files: {not_raw}"
+
+
+def test_readme_repository_links_name_files_that_exist() -> None:
+    links = [t for _, t in _links((ROOT / "README.md").read_text(encoding="utf-8"))]
+    into = [t for t in links if t.startswith((REPOSITORY, "https://raw.githubusercontent.com/"))]
+    assert into, "README.md has no link into the repository"
+    broken = []
+    for target in into:
+        if target.rstrip("/") in (REPOSITORY, f"{REPOSITORY}/issues"):
+            continue
+        match = _REPOSITORY_LINK.fullmatch(target)
+        if match is None:
+            broken.append(f"{target} (not a file or folder on main)")
+            continue
+        path = ROOT / match["path"].rstrip("/")
+        exists = path.is_dir() if match["kind"] == "tree" else path.is_file()
+        if not exists:
+            broken.append(
+                f"{target} ({match['path']} is no {'folder' if match['kind'] == 'tree' else 'file'} here)"
+            )
+    assert not broken, "README.md links to what the repository does not hold: " + ", ".join(broken)
+
+
+# -- installs -----------------------------------------------------------------
+
+#: An editable install of this project: ``-e .`` or ``-e ".[extra,...]"``.
+_EDITABLE_HERE = re.compile(r"""-e\s+(["']?)\.(\[[\w,-]+\])?\1(?=\s|$)""")
+
+
+@pytest.mark.parametrize("page", [*PAGES, ".ci/run"])
+def test_every_editable_install_is_strict(page: str) -> None:
+    """A plain ``pip install -e .`` replaces the strict install that mypy and pyright read."""
+    lines = (ROOT / page).read_text(encoding="utf-8").splitlines()
+    plain = [
+        f"{page}:{number}: {line.strip()}"
+        for number, line in enumerate(lines, 1)
+        if "pip install" in line
+        and _EDITABLE_HERE.search(line)
+        and "--config-settings editable_mode=strict" not in line
+    ]
+    assert not plain, "editable installs without editable_mode=strict:\n" + "\n".join(plain)
