@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -23,7 +24,14 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-__all__ = ["Venv", "build_distributions", "copy_project", "fresh_venv", "pip_install_into"]
+__all__ = [
+    "Venv",
+    "build_distributions",
+    "copy_project",
+    "fresh_venv",
+    "pip_install_into",
+    "unpack_sdist",
+]
 
 #: What an earlier in-tree build may have left in a source tree; never copied.
 _BUILD_LEFTOVERS = shutil.ignore_patterns(
@@ -64,18 +72,35 @@ def copy_project(source: Path, dest: Path) -> Path:
 
 
 def build_distributions(project: Path, out: Path) -> tuple[Path, Path]:
-    """The sdist and the wheel of ``project``, built into ``out``: ``(sdist, wheel)``.
+    """The sdist of ``project`` and the wheel built from that sdist, into ``out``: ``(sdist, wheel)``.
 
-    setuptools' PEP 517 hooks run in a subprocess in ``project`` (they write
-    ``build/`` and ``*.egg-info`` there: pass a copy), with this environment's
-    setuptools, as ``pip wheel --no-build-isolation`` would.
+    As ``python -m build`` does: the wheel is built from the unpacked sdist, so a
+    file the sdist lacks is missing from the wheel too. setuptools' PEP 517 hooks
+    run in a subprocess, with this environment's setuptools (no build isolation);
+    they write ``build/`` and ``*.egg-info`` into ``project``: pass a copy.
     """
     out.mkdir(parents=True, exist_ok=True)
+    sdist = out / _build_hook(project, "build_sdist", out)
+    unpacked = unpack_sdist(sdist, out / "unpacked")
+    wheel = out / _build_hook(unpacked, "build_wheel", out)
+    return sdist, wheel
+
+
+def unpack_sdist(sdist: Path, where: Path) -> Path:
+    """Unpack ``sdist`` into ``where``; the source tree it holds."""
+    with tarfile.open(sdist) as archive:
+        if hasattr(tarfile, "data_filter"):  # Python 3.12, and 3.10.12 and 3.11.4 on
+            archive.extractall(where, filter="data")
+        else:
+            archive.extractall(where)
+    (tree,) = where.iterdir()
+    return tree
+
+
+def _build_hook(project: Path, hook: str, out: Path) -> str:
+    """Run setuptools' PEP 517 ``hook`` in ``project``; the name of the file it wrote in ``out``."""
     script = (
-        "import sys\n"
-        "from setuptools import build_meta\n"
-        "print(build_meta.build_sdist(sys.argv[1]))\n"
-        "print(build_meta.build_wheel(sys.argv[1]))\n"
+        f"import sys\nfrom setuptools import build_meta\nprint(build_meta.{hook}(sys.argv[1]))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script, str(out)],
@@ -83,10 +108,9 @@ def build_distributions(project: Path, out: Path) -> tuple[Path, Path]:
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(
-            f"building {project} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+            f"{hook} in {project} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
         )
-    sdist, wheel = done.stdout.strip().splitlines()[-2:]
-    return out / sdist, out / wheel
+    return done.stdout.strip().splitlines()[-1]
 
 
 def _requirement_closure(names: Iterable[str]) -> list[importlib.metadata.Distribution]:

@@ -396,7 +396,7 @@ _REFERENCE = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s|$)", re.M)
 _HTML = re.compile(r"<(img|a)\b[^>]*?\b(?:src|href)\s*=\s*[\"']([^\"']+)", re.I)
 
 
-def _links(markdown: str) -> list[tuple[str, str]]:
+def markdown_links(markdown: str) -> list[tuple[str, str]]:
     """``(kind, target)`` of every link (``link``) and image (``image``) of a Markdown page.
 
     Code (fenced blocks and spans) and HTML comments are not read: a link there
@@ -419,7 +419,7 @@ def test_links_reads_links_images_and_skips_code() -> None:
         "```python\nx = '[not a link](nowhere.md)'\n```\n"
         "<!-- [hidden](nowhere.md) -->\n"
     )
-    assert sorted(_links(page)) == sorted(
+    assert sorted(markdown_links(page)) == sorted(
         [
             ("link", "docs/user-guide.md"),
             ("link", "https://x.org/a#b"),
@@ -432,7 +432,7 @@ def test_links_reads_links_images_and_skips_code() -> None:
 
 def test_readme_links_and_images_are_absolute() -> None:
     """On a package index the README is read away from the repository: a relative link breaks."""
-    links = _links((ROOT / "README.md").read_text(encoding="utf-8"))
+    links = markdown_links((ROOT / "README.md").read_text(encoding="utf-8"))
     assert links, "found no link in README.md"
     relative = [target for _, target in links if not target.startswith("https://")]
     assert not relative, f"README.md links by relative (or non-https) address: {relative}"
@@ -443,7 +443,7 @@ def test_readme_links_and_images_are_absolute() -> None:
 
 
 def test_readme_repository_links_name_files_that_exist() -> None:
-    links = [t for _, t in _links((ROOT / "README.md").read_text(encoding="utf-8"))]
+    links = [t for _, t in markdown_links((ROOT / "README.md").read_text(encoding="utf-8"))]
     into = [t for t in links if t.startswith((REPOSITORY, "https://raw.githubusercontent.com/"))]
     assert into, "README.md has no link into the repository"
     broken = []
