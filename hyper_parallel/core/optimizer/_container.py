@@ -21,12 +21,18 @@ class SchedulerFactory(Protocol):
     def __call__(self, optimizer: Optimizer) -> LRScheduler: ...
 
 
-class LRSchedulersContainer:
+class LRSchedulersContainer(LRScheduler):
     """One LR scheduler per sub-optimizer of a chain, stepped as one (HyperParallel's container).
 
     :func:`get_hyper_lr_scheduler` on a chain gives every group the lrs this
     gives; the container is for a scheduler per sub-optimizer, or code
     written for HyperParallel's.
+
+    It is a :class:`torch.optim.lr_scheduler.LRScheduler` the way torch's
+    own ``ChainedScheduler`` is one (its ``optimizer`` is the chain; it keeps
+    no ``last_epoch`` of its own, its schedulers do), so trainers that check
+    for a torch scheduler (PyTorch Lightning's ``configure_optimizers``)
+    take it as it is.
 
     Examples:
         >>> schedulers = LRSchedulersContainer(
@@ -42,6 +48,7 @@ class LRSchedulersContainer:
             mapping from sub-optimizer name to such a callable.
 
     Attributes:
+        optimizer: The chain the schedulers belong to, as given.
         schedulers: The schedulers, in the chain's order.
     """
 
@@ -64,6 +71,9 @@ class LRSchedulersContainer:
                 f"LRSchedulersContainer got schedulers for {sorted(makers)}; the chain has "
                 f"{sorted(optimizers)}. Give one per sub-optimizer."
             )
+        # Not LRScheduler.__init__ (torch's ChainedScheduler skips it too): its initial step
+        # would step every scheduler once more; each has already set its groups' lrs.
+        self.optimizer = optimizer
         self._by_name = {name: makers[name](optimizer=sub) for name, sub in optimizers.items()}
         self.schedulers = list(self._by_name.values())
 
@@ -76,12 +86,12 @@ class LRSchedulersContainer:
     def __len__(self) -> int:
         return len(self.schedulers)
 
-    def step(self) -> None:
+    def step(self) -> None:  # type: ignore[override]
         """Step every scheduler, in the chain's order."""
         for scheduler in self.schedulers:
             scheduler.step()
 
-    def get_last_lr(self) -> list[float]:
+    def get_last_lr(self) -> list[float]:  # type: ignore[override]
         """Every group's lr, sub-optimizer by sub-optimizer, in the chain's order."""
         return [float(lr) for scheduler in self.schedulers for lr in scheduler.get_last_lr()]
 
