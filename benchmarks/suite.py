@@ -9,8 +9,9 @@ Run from the repository root::
 
 Prints one table: each case, our figure, each peer's figure from the same
 run, the ratio, the target where the project sets one, and the command that
-reproduces the row. Peers that are not installed or do not run are listed
-with the reason. ``--json`` writes the rows, ``--plot`` a chart of the ratios.
+reproduces the row, each case's rows as it finishes. Peers that are not
+installed or do not run are named under the table in one line, with the
+reason. ``--json`` writes the rows, ``--plot`` a chart of the ratios.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -319,33 +320,24 @@ def case_muon(settings: Settings) -> Iterator[Row]:
                            else f"--dims {what.split('d=')[1].split(')')[0]}")  # fmt: skip
         if settings.muon_peer_names != MUON_PEER_NAMES:
             command += f" --muon-peers {','.join(settings.muon_peer_names)}"
+        notes: dict[str, str] = {}
         for peer in peers or [None]:
-            label = peer.name if peer else "(peers not measured)"
+            label = peer.name if peer else "every peer"
             value = medians.get(label)
-            note = ""
-            if peer is None:
-                note = "--no-peers"
-            elif peer.make is None:
-                note = peer.reason
-            elif label in failed:
-                note = failed[label]
-            elif label in projected:
-                note = (f"projected from one step on each of its {len(set(shapes))} shapes "
-                        f"(a full step would take over {FIGURE_BUDGET_S:.0f} s)")  # fmt: skip
-            elif first[label] > FIGURE_BUDGET_S:
-                note = f"its first step only ({first[label]:.0f} s, over {FIGURE_BUDGET_S:.0f} s)"
-            elif first[label] > 5 * value:  # type: ignore[operator]
-                note = f"first step {first[label]:.1f} s (compilation), not counted"
+            note = notes[label] = _muon_note(
+                peer, label, failed, first, value,
+                projected_from=len(set(shapes)) if label in projected else None,
+            )  # fmt: skip
             target = "<= 1.0" if not slow_bf16 else "<= 0.1" if label == "torch.optim.Muon" else ""
             yield Row(f"{what}, defaults", f"ours ({default_dtype} NS)", medians["ours"],
                       f"{label} ({peer.ns_dtype if peer else '-'})", value, "s",
                       target, note, command)  # fmt: skip
         for peer in peers or [None]:
-            label = peer.name if peer else "(peers not measured)"
+            label = peer.name if peer else "every peer"
             yield Row(f"{what}, equal NS dtype (bf16)", "ours (bf16 NS)", medians["ours_bf16"],
                       f"{label} (bf16)", medians.get(label), "s",
                       "<= 0.8" if strict else "<= 1.0",
-                      "" if label in medians else "see above", command)  # fmt: skip
+                      "" if label in medians else notes[label], command)  # fmt: skip
         yield _matmul_limit_row(what, shapes, medians["ours"], device, command)
         faults = {name: _faults_per_step(step) for name, step in steps.items()}
         peaks = {name: _step_peak_mib(step) for name, step in steps.items()}
@@ -361,6 +353,32 @@ def case_muon(settings: Settings) -> Iterator[Row]:
                                "work buffers across steps", command=command)  # fmt: skip
         del steps
         gc.collect()
+
+
+def _muon_note(
+    peer: Any,
+    label: str,
+    failed: dict[str, str],
+    first: dict[str, float],
+    value: float | None,
+    *,
+    projected_from: int | None,
+) -> str:
+    """Why a peer's Muon has no figure, or how its figure was taken where that differs."""
+    if peer is None:
+        return "--no-peers"
+    if peer.make is None:
+        return str(peer.reason)
+    if label in failed:
+        return failed[label]
+    if projected_from is not None:
+        return (f"projected from one step on each of its {projected_from} shapes "
+                f"(a full step would take over {FIGURE_BUDGET_S:.0f} s)")  # fmt: skip
+    if first[label] > FIGURE_BUDGET_S:
+        return f"its first step only ({first[label]:.0f} s, over {FIGURE_BUDGET_S:.0f} s)"
+    if value is not None and first[label] > 5 * value:
+        return f"first step {first[label]:.1f} s (compilation), not counted"
+    return ""
 
 
 def _matmul_limit_row(
@@ -728,18 +746,56 @@ def _fmt(value: float | None, unit: str) -> str:
     return f"{value:,.1f} {unit}"
 
 
+_HEADER = ("| case | ours | figure | peer | figure | ours / peer | target | note |\n"
+           "|---|---|---|---|---|---|---|---|")  # fmt: skip
+
+
 def format_table(rows: Sequence[Row]) -> str:
-    """The rows as a Markdown table (it also reads well in a terminal)."""
-    lines = ["| case | ours | figure | peer | figure | ours / peer | target | note |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    """The rows as a Markdown table (it also reads well in a terminal); see :func:`table_rows`."""
+    return "\n".join([_HEADER, *table_rows(rows)])
+
+
+def _unmeasured(rows: Sequence[Row]) -> list[Row]:
+    """Rows of ours against a peer without a figure: the peers :func:`not_measured_line` names."""
+    return [r for r in rows if r.ours is not None and r.peer is None]
+
+
+def table_rows(rows: Sequence[Row]) -> list[str]:
+    """The table's lines for ``rows``, without the header: one per figure compared.
+
+    A row whose peer has no figure is left out, and its peer named under the
+    table instead, unless no peer of that figure of ours was measured: then
+    the figure's first row stays, against "(no peer measured)".
+    """
+    compared = {(r.case, r.ours_label) for r in rows if r.peer is not None}
+    unmeasured = {id(r) for r in _unmeasured(rows)}
+    shown: set[tuple[str, str]] = set()
+    lines = []
     for r in rows:
+        key = (r.case, r.ours_label)
+        if id(r) in unmeasured:
+            if key in compared or key in shown:
+                continue
+            r = replace(r, peer_label="(no peer measured)", note="")
+        shown.add(key)
         ratio = "-" if r.ratio is None else f"{r.ratio:.2f}x"
         target = r.target and f"{r.target} ({'met' if r.met else 'not met'})"
         if r.target and r.met is None:
             target = f"{r.target} (no figure)"
         lines.append(f"| {r.case} | {r.ours_label} | {_fmt(r.ours, r.unit)} | {r.peer_label} | "
                      f"{_fmt(r.peer, r.unit)} | {ratio} | {target} | {r.note} |")  # fmt: skip
-    return "\n".join(lines)
+    return lines
+
+
+def not_measured_line(rows: Sequence[Row]) -> str | None:
+    """One line naming each peer left out of the table, with why; ``None`` if none was."""
+    why: dict[str, str] = {}
+    for r in _unmeasured(rows):
+        name = r.peer_label.split(" (")[0]  # "timm (bf16)": timm
+        why.setdefault(name, r.note or "no figure")
+    if not why:
+        return None
+    return "Not measured: " + "; ".join(f"{name} ({note})" for name, note in why.items())
 
 
 def machine() -> dict[str, str]:
@@ -811,13 +867,16 @@ def _from_json(path: Path, plot_path: Path | None) -> int:
     rows = [Row(**{k: v for k, v in r.items() if k in fields}) for r in saved["rows"]]
     print("Machine: " + "; ".join(f"{k} {v}" for k, v in saved["machine"].items()))
     print(format_table(rows))
-    _print_commands(rows)
+    _print_footer(rows)
     if plot_path:
         plot(rows, plot_path)
     return 0
 
 
-def _print_commands(rows: Sequence[Row]) -> None:
+def _print_footer(rows: Sequence[Row]) -> None:
+    """Under the table: the peers it leaves out, and the command of each row."""
+    if (line := not_measured_line(rows)) is not None:
+        print(line)
     print()
     print("Reproduce a row:")
     for command in dict.fromkeys(r.command for r in rows if r.command):
@@ -884,17 +943,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     info = machine()
     print("Machine: " + "; ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    print(_HEADER, flush=True)
     rows: list[Row] = []
-    for name in names:
-        print(f"== {name}", flush=True)
-        for row in CASES[name](settings):
-            rows.append(row)
-            ratio = "-" if row.ratio is None else f"{row.ratio:.2f}x"
-            print(f"   {row.ours_label}: {_fmt(row.ours, row.unit)} | {row.peer_label}: "
-                  f"{_fmt(row.peer, row.unit)} | {ratio} {row.note}", flush=True)  # fmt: skip
-    print()
-    print(format_table(rows))
-    _print_commands(rows)
+    for name in names:  # each case's rows as it finishes: the table is printed once
+        print(f"measuring {name} ...", file=sys.stderr, flush=True)
+        measured = list(CASES[name](settings))
+        rows.extend(measured)
+        for line in table_rows(measured):
+            print(line, flush=True)
+    _print_footer(rows)
     if args.json:
         args.json.write_text(json.dumps(
             {"machine": info, "rows": [asdict(r) | {"ratio": r.ratio, "met": r.met} for r in rows]},

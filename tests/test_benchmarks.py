@@ -15,6 +15,7 @@ from benchmarks.suite import (
     Settings,
     case_distributed,
     format_table,
+    not_measured_line,
     plot_label,
     transformer_shapes,
 )
@@ -51,8 +52,12 @@ def test_entry_point_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     # the share of the matmul limit needs no peer: one row per set
     limits = [r for r in rows if r["case"].endswith("share of the matmul limit")]
     assert len(limits) == 2 and all(r["ratio"] > 0 for r in limits)
-    # a saved run prints the same table again without measuring
+    # the table is printed once: one header, one line per row shown, nothing else per row
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert sum(line.startswith("| case | ours |") for line in table) == 1
+    assert len(table) == 1 + len(rows)  # without peers, each Muon figure's row stays, once
+    assert not any(line.startswith("   ours") for line in result.stdout.splitlines())
+    # a saved run prints the same table again without measuring
     again = _bench("--from-json", str(out))
     assert again.returncode == 0, again.stderr[-3000:]
     assert [line for line in again.stdout.splitlines() if line.startswith("| ")] == table
@@ -88,12 +93,38 @@ def test_rows_judge_their_targets() -> None:
     faster = Row("c", "ours", 0.5, "peer", 1.0, "s", "<= 1.0")
     slower = Row("c", "ours", 2.0, "peer", 1.0, "s", "<= 1.0")
     efficient = Row("c", "ours", 90.0, "mm", 100.0, "GFLOP/s", ">= 0.85")
-    missing = Row("c", "ours", 1.0, "peer", None, "s", "<= 1.0", note="not installed")
+    missing = Row("d", "ours", 1.0, "peer", None, "s", "<= 1.0", note="not installed")
     assert (faster.met, slower.met, efficient.met, missing.met) == (True, False, True, None)
     table = format_table([faster, slower, missing])
     assert "| 0.50x | <= 1.0 (met) |" in table
     assert "| 2.00x | <= 1.0 (not met) |" in table
-    assert "| - | <= 1.0 (no figure) | not installed |" in table
+    # the only row of its figure stays, so that ours is shown; the peer is named under it
+    assert "| ours | 1.000 s | (no peer measured) | - | - | <= 1.0 (no figure) |  |" in table
+    assert not_measured_line([missing]) == "Not measured: peer (not installed)"
+
+
+def test_peers_without_a_figure_are_named_in_one_line_not_rows_of_dashes() -> None:
+    case = "Muon step, 56 matrices, cpu, defaults"
+    rows = [
+        Row(case, "ours (fp32 NS)", 1.0, "torch.optim.Muon (bf16)", 2.0, "s", "<= 1.0"),
+        Row(case, "ours (fp32 NS)", 1.0, "timm (bf16)", None, "s", "<= 1.0",
+            note="timm is not installed"),
+        Row(case, "ours (fp32 NS)", 1.0, "heavyball (bf16)", None, "s", "<= 1.0",
+            note="ImportError: no module named heavyball"),
+        Row("Muon step, equal NS dtype", "ours (bf16 NS)", 3.0, "timm (bf16)", None, "s",
+            note="timm is not installed"),
+        Row("Muon step, equal NS dtype", "ours (bf16 NS)", 3.0, "heavyball (bf16)", None, "s",
+            note="ImportError: no module named heavyball"),
+    ]  # fmt: skip
+    table = format_table(rows)
+    assert len(table.splitlines()) == 2 + 2  # header, the measured peer, ours at bf16 once
+    assert "timm" not in table and "| torch.optim.Muon (bf16) | 2.000 s | 0.50x |" in table
+    assert "| ours (bf16 NS) | 3.000 s | (no peer measured) | - |" in table
+    assert not_measured_line(rows) == (
+        "Not measured: timm (timm is not installed); "
+        "heavyball (ImportError: no module named heavyball)"
+    )
+    assert not_measured_line(rows[:1]) is None
 
 
 @pytest.mark.parametrize(("dim", "hidden"), [(512, 1376), (1024, 2752)])
