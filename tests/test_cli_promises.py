@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -139,7 +140,29 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_with_the_estimate(
 ) -> None:
     line = refused(["--batch-size", "100000", "--out", str(tmp_path / "o")], capsys)
     assert line.startswith("hyper-parallel: error: --batch-size 100000: a training step needs")
-    assert "GiB is free; lower --batch-size or --seq-len" in line
+    fits = re.search(r"GiB is free; lower --batch-size to (\d+) or less, or --seq-len$", line)
+    assert fits and 1 <= int(fits.group(1)) < 100000, line
+
+
+def test_a_model_too_large_for_memory_is_blamed_on_its_width_not_the_batch(
+    tmp_path: Path, no_step: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = refused(["--dim", "65536", "--out", str(tmp_path / "o")], capsys)
+    assert line.startswith(
+        "hyper-parallel: error: --dim 65536 and --layers 4: the model's params, gradients and "
+        "optimizer state alone need about "
+    )
+    assert line.endswith("GiB is free; lower --dim (the model grows with its square) or --layers")
+    assert "--batch-size" not in line
+
+
+def test_a_sequence_too_long_for_memory_is_blamed_on_its_length(
+    tmp_path: Path, no_step: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--seq-len", "1000000", "--batch-size", "1", "--out", str(tmp_path / "o")]
+    line = refused(argv, capsys)
+    assert line.startswith("hyper-parallel: error: --seq-len 1000000: one sequence's activations")
+    assert line.endswith("GiB is free; lower --seq-len or --dim")
 
 
 # -- Ctrl-C ---------------------------------------------------------------------------

@@ -246,22 +246,35 @@ def _shown(flag: str, value: Any) -> str:
 def estimate_peak_bytes(config: TrainConfig, vocab_size: int) -> int:
     """A rough upper estimate of one process's peak memory for a training step, in bytes.
 
-    Params with their gradients and optimizer state (16 bytes each: fp32
-    param, gradient, and two moments at most), plus the activations kept for
-    the backward pass: per token and block, the norms, q/k/v, attention
-    output, the SwiGLU's four hidden-width tensors and the residuals (about
-    ``12 d + 4 h``), the attention weights of every head over the sequence
-    (``2 heads seq_len``), and the logits with their softmax and gradient
-    (``3 vocab``), all fp32.
+    The model (:func:`_model_bytes`) plus ``--batch-size`` sequences'
+    activations (:func:`_sequence_bytes`).
     """
-    d, layers, hidden = config.dim, config.layers, -(-8 * config.dim // 3 // 32) * 32
+    return _model_bytes(config, vocab_size) + config.batch_size * _sequence_bytes(
+        config, vocab_size
+    )
+
+
+def _model_bytes(config: TrainConfig, vocab_size: int) -> int:
+    """Params with their gradients and optimizer state: 16 bytes each (fp32 param,
+    gradient, and two moments at most)."""
+    d, hidden = config.dim, -(-8 * config.dim // 3 // 32) * 32
     per_block = 4 * d * d + 3 * d * hidden + 2 * d
-    params = layers * per_block + vocab_size * d * (1 if config.tied_embeddings else 2)
-    params += config.seq_len * d
-    per_token = layers * (12 * d + 4 * hidden + 2 * config.heads * config.seq_len)
+    params = config.layers * per_block + vocab_size * d * (1 if config.tied_embeddings else 2)
+    return 16 * (params + config.seq_len * d)
+
+
+def _sequence_bytes(config: TrainConfig, vocab_size: int) -> int:
+    """The activations one sequence keeps for the backward pass, all fp32.
+
+    Per token and block, the norms, q/k/v, attention output, the SwiGLU's four
+    hidden-width tensors and the residuals (about ``12 d + 4 h``), the
+    attention weights of every head over the sequence (``2 heads seq_len``);
+    per token, the logits with their softmax and gradient (``3 vocab``).
+    """
+    d, hidden = config.dim, -(-8 * config.dim // 3 // 32) * 32
+    per_token = config.layers * (12 * d + 4 * hidden + 2 * config.heads * config.seq_len)
     per_token += 3 * vocab_size + 4 * d
-    tokens = config.batch_size * config.seq_len
-    return 16 * params + 4 * tokens * per_token
+    return 4 * config.seq_len * per_token
 
 
 def available_memory_bytes() -> int | None:
@@ -295,10 +308,30 @@ def check_memory(config: TrainConfig, vocab_size: int) -> None:
         return
     need = estimate_peak_bytes(config, vocab_size)
     if need > available:
-        gib = 2**30
-        raise TrainError(
-            f"--batch-size {config.batch_size}: a training step needs about {need / gib:,.1f} GiB "
-            f"(estimated for --seq-len {config.seq_len}, --dim {config.dim}, --layers "
-            f"{config.layers}), but {available / gib:,.1f} GiB is free; lower --batch-size or "
-            "--seq-len"
+        raise TrainError(_too_large(config, vocab_size, need, available))
+
+
+def _too_large(config: TrainConfig, vocab_size: int, need: int, available: int) -> str:
+    """The refusal of a run that does not fit: it names what is too large, and how far to lower it."""
+    gib = 2**30
+    free = f"but {available / gib:,.1f} GiB is free"
+    model = _model_bytes(config, vocab_size)
+    if model > available:
+        return (
+            f"--dim {config.dim} and --layers {config.layers}: the model's params, gradients "
+            f"and optimizer state alone need about {model / gib:,.1f} GiB, {free}; lower --dim "
+            "(the model grows with its square) or --layers"
         )
+    per_sequence = _sequence_bytes(config, vocab_size)
+    fits = (available - model) // per_sequence
+    if fits < 1:
+        return (
+            f"--seq-len {config.seq_len}: one sequence's activations need about "
+            f"{per_sequence / gib:,.1f} GiB besides the model's {model / gib:,.1f} GiB "
+            f"(--dim {config.dim}, --layers {config.layers}), {free}; lower --seq-len or --dim"
+        )
+    return (
+        f"--batch-size {config.batch_size}: a training step needs about {need / gib:,.1f} GiB "
+        f"(estimated for --seq-len {config.seq_len}, --dim {config.dim}, --layers "
+        f"{config.layers}), {free}; lower --batch-size to {fits} or less, or --seq-len"
+    )
