@@ -289,7 +289,7 @@ def _add_train_parser(sub: Any) -> None:
     for f in config_fields():
         if f.option.on_command_line:
             text = f.option.help
-            if f.name in ("optimizer", "compare") and refused:
+            if f.name == "optimizer" and refused:
                 text += f"; train cannot use {refused}"
             parser.add_argument(f.flag, dest=f.name, help=text, **_parsing(f))
     parser.set_defaults(handler=_cmd_train)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -109,3 +110,33 @@ def test_a_peer_that_died_is_one_line_naming_this_rank(
     monkeypatch.delenv("RANK")  # not a torchrun worker: the error is not ours to explain
     with pytest.raises(RuntimeError, match="Connection reset by peer"):
         cli.main([])
+
+
+def _option_helps(text: str) -> dict[str, str]:
+    """Each option of an argparse help text: its flags, and its help joined into one line."""
+    helps: dict[str, str] = {}
+    flags = ""
+    for line in text.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            flags, _, said = line.strip().partition("  ")
+            helps[flags] = said.strip()
+        elif line.strip() and flags:
+            helps[flags] = f"{helps[flags]} {line.strip()}".strip()
+    return helps
+
+
+def test_every_train_option_is_explained_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    helps = _option_helps(capsys.readouterr().out)
+    assert {"--weight-decay WEIGHT_DECAY", "--seed SEED", "--threads N"} <= set(helps)
+    for flags, said in helps.items():
+        words = re.sub(r"\(default: [^)]*\)", "", said).split()
+        assert len(words) >= 2, f"{flags} has no help of its own: {said!r}"
+    # no run of 8 words said under two options (a paragraph repeated)
+    runs: dict[str, str] = {}
+    for flags, said in helps.items():
+        words = said.split()
+        for i in range(len(words) - 7):
+            run = " ".join(words[i : i + 8])
+            assert runs.setdefault(run, flags) == flags, f"{flags} repeats {runs[run]}: {run!r}"

@@ -5,15 +5,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from conftest import TINY_TRAIN_ARGS as TINY
 from hyper_parallel.cli import main
-from hyper_parallel.train import TinyGPT, steps_to_reach, synthetic_corpus
+from hyper_parallel.train import TinyGPT, TrainConfig, plot, steps_to_reach, synthetic_corpus, train
 from hyper_parallel.train.data import SYNTHETIC_ALPHABET
+from hyper_parallel.train.loop import _comparison_line, reached_between
+from hyper_parallel.train.plot import Curve, smooth_by_step
+from hyper_parallel.train.threads import choose_threads
 
 
 def read_metrics(out: Path) -> list[dict]:
@@ -299,3 +304,120 @@ def test_synthetic_corpus_is_deterministic_with_held_out_sums() -> None:
     train_pairs, val_pairs = sums(a.train), sums(a.val)
     assert train_pairs and val_pairs and not train_pairs & val_pairs
     assert all(x % 7 == 3 for x, _ in val_pairs)
+
+
+# -- threads ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("requested", "env", "cpus", "load", "count", "why"),
+    [
+        (3, {"OMP_NUM_THREADS": "1"}, 8, 0.0, 3, "--threads"),  # the flag over everything
+        (None, {"OMP_NUM_THREADS": "2"}, 8, 7.0, 2, "OMP_NUM_THREADS"),  # as set, whatever the load
+        (None, {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}, 8, 0.0, 1, "OMP_NUM_THREADS"),
+        (None, {}, 2, 0.1, 2, "2 CPUs, load 0.1"),  # an idle machine: every CPU
+        (None, {}, 2, 1.0, 1, "2 CPUs, load 1.0"),  # one CPU busy elsewhere: one thread
+        (None, {}, 2, 9.0, 1, "2 CPUs, load 9.0"),  # never fewer than one
+        (None, {}, 16, 4.0, 12, "16 CPUs, load 4.0"),
+        (None, {"LOCAL_WORLD_SIZE": "4"}, 16, 0.0, 4, "16 CPUs / 4 processes, load 0.0"),
+        (None, {"LOCAL_WORLD_SIZE": "4"}, 2, 0.0, 1, "2 CPUs / 4 processes, load 0.0"),
+        (None, {"OMP_NUM_THREADS": "junk"}, 4, None, 4, "4 CPUs"),  # no load average here
+    ],
+)  # fmt: skip
+def test_threads_are_the_flag_else_omp_num_threads_else_the_free_share_of_the_cpus(
+    requested: int | None, env: dict[str, str], cpus: int, load: float | None, count: int, why: str
+) -> None:
+    threads = choose_threads(requested=requested, env=env, cpus=cpus, machine_cpus=cpus, load=load)
+    assert (threads.count, threads.why) == (count, why)
+
+
+def test_the_load_counts_as_a_share_of_the_whole_machine() -> None:
+    # 4 of a 64-CPU machine's CPUs are this process's; a load of 32 leaves half of them
+    threads = choose_threads(requested=None, env={}, cpus=4, machine_cpus=64, load=32.0)
+    assert threads.count == 2
+
+
+def test_threads_reach_torch_for_the_run_and_are_put_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = torch.get_num_threads()
+    argv = ["train", "--steps", "2", "--eval-every", "2", "--threads", "3", "--out", str(tmp_path)]
+    assert main([*argv, *TINY]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["threads"] == {"count": 3, "chosen_by": "--threads"}  # as torch reported it
+    assert "3 torch threads (--threads); writing" in capsys.readouterr().out
+    assert torch.get_num_threads() == before
+
+
+# -- --compare's wording -----------------------------------------------------------------
+
+
+def test_compare_says_the_step_reached_is_interpolated_between_validations() -> None:
+    curve = [(0, 4.0), (25, 2.0), (50, 1.5)]
+    assert reached_between(curve, 2.4) == ((0, 4.0), (25, 2.0))
+    cmp = {"baseline": "adamw", "target_val_loss": 2.4, "baseline_steps": 50,
+           "steps_to_reach": steps_to_reach(curve, 2.4), "validated_between": [0, 25],
+           "step_ratio": 0.4}  # fmt: skip
+    assert _comparison_line("muon+adamw", cmp) == (
+        "muon+adamw reached adamw's final val loss 2.4000 between its validations at steps 0 "
+        "and 25 (interpolated: step 20 of 50; step ratio 0.40)"
+    )
+    exact = {**cmp, "steps_to_reach": 0.0, "validated_between": [0, 0], "step_ratio": 0.0}
+    assert _comparison_line("muon+adamw", exact) == (
+        "muon+adamw reached adamw's final val loss 2.4000 at its validation at step 0 "
+        "(of 50; step ratio 0.00)"
+    )
+
+
+# -- the plot of a resumed run -----------------------------------------------------------
+
+
+_CURVES = plot.curves
+
+
+class _StopAt:
+    """A preemption asked for after the ``step``-th step (as SIGTERM would be)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.calls = step, 0
+
+    def requested(self, device: object) -> bool:
+        self.calls += 1
+        return self.calls == self.step
+
+
+def _plotted(monkeypatch: pytest.MonkeyPatch, config: TrainConfig, **kwargs: Any) -> list[Curve]:
+    """What ``train(config)``'s plot was drawn from."""
+    drawn: list[Curve] = []
+
+    def keep(results: Any) -> list[Curve]:
+        found = _CURVES(results)
+        drawn.extend(found)
+        return found
+
+    monkeypatch.setattr(plot, "curves", keep)
+    train(config, echo=lambda line: None, **kwargs)
+    return drawn
+
+
+def test_a_resumed_run_plots_the_curves_of_the_uninterrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tiny = TrainConfig(dim=32, layers=1, heads=2, seq_len=32, batch_size=8, progress=False,
+                       steps=30, eval_every=10, threads=1)  # fmt: skip
+    straight = _plotted(monkeypatch, replace(tiny, out=tmp_path / "straight"))
+    stopped = replace(tiny, out=tmp_path / "stopped", checkpoint_dir=tmp_path / "ckpt")
+    summary = train(stopped, echo=lambda line: None, preemption=_StopAt(17))  # type: ignore[arg-type]
+    assert summary["runs"]["muon+adamw"]["steps"] == 17  # saved at 17, between log rows
+    resumed = _plotted(monkeypatch, replace(stopped, resume=True))
+    assert resumed == straight
+    (curve,) = resumed
+    assert [step for step, _ in curve.train] == [1, 5, 10, 15, 20, 25, 30]
+    assert [step for step, _ in curve.val] == [0, 10, 20, 30]
+
+
+def test_the_smoothing_weighs_a_gap_of_steps_as_those_steps() -> None:
+    # a loss logged at steps 1 and 3 smooths to what one logged at every step does, when the
+    # step between had the same loss as the one after it: 0.9 of the past per step
+    assert smooth_by_step([(1, 4.0), (3, 2.0)]) == pytest.approx([4.0, 3.62])
+    assert smooth_by_step([(1, 4.0), (2, 2.0), (3, 2.0)]) == pytest.approx([4.0, 3.8, 3.62])

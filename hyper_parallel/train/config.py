@@ -86,7 +86,9 @@ class TrainConfig:
     compare: str | None = field(
         default=None,
         metadata=_option(
-            "also train with this optimizer and plot both (e.g. adamw)", metavar="NAME"
+            "also train with optimizer NAME, one of --optimizer's choices, and plot both "
+            "(e.g. adamw)",
+            metavar="NAME",
         ),
     )
     partitioner: str = field(
@@ -116,9 +118,24 @@ class TrainConfig:
             recorded=True,
         ),
     )
-    weight_decay: float = field(default=0.0, metadata=_option(recorded=True))
-    batch_size: int = field(default=32, metadata=_option(positive=True, recorded=True))
-    seq_len: int = field(default=128, metadata=_option(positive=True, recorded=True))
+    weight_decay: float = field(
+        default=0.0,
+        metadata=_option("each optimizer's weight decay (default: %(default)s)", recorded=True),
+    )
+    batch_size: int = field(
+        default=32,
+        metadata=_option(
+            "sequences per step, per process (default: %(default)s)", positive=True, recorded=True
+        ),
+    )
+    seq_len: int = field(
+        default=128,
+        metadata=_option(
+            "tokens per sequence, the model's context (default: %(default)s)",
+            positive=True,
+            recorded=True,
+        ),
+    )
     dim: int = field(
         default=128,
         metadata=_option("model width (default: %(default)s)", positive=True, recorded=True),
@@ -146,7 +163,13 @@ class TrainConfig:
         default=5,
         metadata=_option("train loss interval in steps", positive=True, on_command_line=False),
     )
-    seed: int = field(default=0, metadata=_option(recorded=True))
+    seed: int = field(
+        default=0,
+        metadata=_option(
+            "seeds the init, the batches and the built-in data (default: %(default)s)",
+            recorded=True,
+        ),
+    )
     data: Path | None = field(
         default=None,
         metadata=_option(
@@ -156,7 +179,9 @@ class TrainConfig:
     tokenizer: str = field(
         default="char",
         metadata=_option(
-            "for --data (default: %(default)s)", choices=("char", "byte"), recorded=True
+            "--data's tokens: one per character, or per byte (default: %(default)s)",
+            choices=("char", "byte"),
+            recorded=True,
         ),
     )
     out: Path = field(
@@ -166,6 +191,15 @@ class TrainConfig:
         default=False, metadata=_option("replace the run already in --out (default: refuse)")
     )
     progress: bool = field(default=True, metadata=_option("no progress bar"))
+    threads: int | None = field(
+        default=None,
+        metadata=_option(
+            "torch's CPU threads (default: OMP_NUM_THREADS if set, else this process's share "
+            "of the CPUs less those the load average says are busy)",
+            metavar="N",
+            positive=True,
+        ),
+    )
     sharding: str | None = field(
         default=None,
         metadata=_option(
@@ -207,7 +241,7 @@ class TrainConfig:
         fields = config_fields()
         for f in fields:
             value = getattr(self, f.name)
-            if f.option.positive and value < 1:
+            if f.option.positive and value is not None and value < 1:
                 raise TrainError(f"{f.flag} must be >= 1, got {value}")
         self._check_ranges()
         for f in fields:

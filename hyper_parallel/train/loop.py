@@ -11,6 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import TokenizedText, load_text_file, synthetic_corpus
 from hyper_parallel.train.outcome import exit_code
@@ -25,6 +27,7 @@ from hyper_parallel.train.preflight import (
     run_names,
 )
 from hyper_parallel.train.run import Metrics, RunResult, replace_atomically, run_one
+from hyper_parallel.train.threads import Threads, torch_threads
 
 if TYPE_CHECKING:
     from hyper_parallel.checkpoint import Preemption, Verified
@@ -41,13 +44,27 @@ def load_data(config: TrainConfig) -> TokenizedText:
 
 def steps_to_reach(val_losses: list[tuple[int, float]], target: float) -> float | None:
     """First (linearly interpolated) step at which a validation curve reaches ``target``."""
+    found = reached_between(val_losses, target)
+    if found is None:
+        return None
+    (s0, l0), (s1, l1) = found
+    if s0 == s1 or l0 == l1:
+        return float(s1)
+    return s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
+
+
+def reached_between(
+    val_losses: list[tuple[int, float]], target: float
+) -> tuple[tuple[int, float], tuple[int, float]] | None:
+    """The validations either side of where the curve first reaches ``target``.
+
+    The last one above it and the first one at or below it; both the first
+    point when the curve starts there, ``None`` when it never gets there.
+    """
     previous: tuple[int, float] | None = None
     for step, loss in val_losses:
         if loss <= target:
-            if previous is None or previous[1] == loss:
-                return float(step)
-            (s0, l0) = previous
-            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
+            return (previous or (step, loss)), (step, loss)
         previous = (step, loss)
     return None
 
@@ -86,11 +103,13 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
         target = baseline.final_val_loss
         if target is not None:
             reached = steps_to_reach(ours.val_losses, target)
+            between = reached_between(ours.val_losses, target)
             summary["comparison"] = {
                 "target_val_loss": target,
                 "baseline": baseline.name,
                 "baseline_steps": baseline.steps_done,
                 "steps_to_reach": reached,
+                "validated_between": None if between is None else [s for s, _ in between],
                 "step_ratio": None if reached is None else reached / baseline.steps_done,
             }
     return summary
@@ -142,20 +161,24 @@ def _print_summary(summary: dict[str, Any], out: Path, echo: Callable[[str], Non
         echo(_run_line(run.get("label", name), run))
     if any(run["interrupted"] or run.get("preempted") for run in summary["runs"].values()):
         echo(_resume_hint(summary["config"]))
-    cmp = summary.get("comparison")
-    if cmp:
-        ours = _label_of_first(summary)
-        if cmp["steps_to_reach"] is None:
-            echo(
-                f"{ours} did not reach {cmp['baseline']}'s final val loss {cmp['target_val_loss']:.4f}"
-            )
-        else:
-            echo(
-                f"{ours} reached {cmp['baseline']}'s final val loss "
-                f"{cmp['target_val_loss']:.4f} at step {cmp['steps_to_reach']:.0f} of "
-                f"{cmp['baseline_steps']} (step ratio {cmp['step_ratio']:.2f})"
-            )
+    if summary.get("comparison"):
+        echo(_comparison_line(_label_of_first(summary), summary["comparison"]))
     echo(f"wrote {', '.join(str(out / n) for n in RUN_OUTPUTS if (out / n).exists())}")
+
+
+def _comparison_line(ours: str, cmp: dict[str, Any]) -> str:
+    """Where ``ours`` reached the baseline's final val loss: between which validations."""
+    target = f"{cmp['baseline']}'s final val loss {cmp['target_val_loss']:.4f}"
+    if cmp["steps_to_reach"] is None:
+        return f"{ours} did not reach {target}"
+    first, last = cmp.get("validated_between") or [cmp["steps_to_reach"]] * 2
+    of = f"of {cmp['baseline_steps']}; step ratio {cmp['step_ratio']:.2f}"
+    if first == last:
+        return f"{ours} reached {target} at its validation at step {last} ({of})"
+    return (
+        f"{ours} reached {target} between its validations at steps {first} and {last} "
+        f"(interpolated: step {cmp['steps_to_reach']:.0f} {of})"
+    )
 
 
 def train(
@@ -186,9 +209,10 @@ def train(
     config.validate()
     check_dependencies(config)
     check_paths(config)
-    data = load_data(config)
-    with run_folders_locked(config):
-        return _train_checked(config, data, echo, preemption)
+    with torch_threads(config.threads) as threads:
+        data = load_data(config)
+        with run_folders_locked(config):
+            return _train_checked(config, data, echo, preemption, threads)
 
 
 def _train_checked(
@@ -196,6 +220,7 @@ def _train_checked(
     data: TokenizedText,
     echo: Callable[[str], None],
     preemption: Preemption | None,
+    threads: Threads,
 ) -> dict[str, Any]:
     """:func:`train` once its paths are checked, its data loaded and its folders locked."""
     resumed = check_resume(config, data)
@@ -204,7 +229,7 @@ def _train_checked(
     check_memory(config, data.vocab_size)
     group_before = _process_group_initialized()
     try:
-        return _train_placed(config, data, place(config), echo, preemption)
+        return _train_placed(config, data, place(config), echo, preemption, threads)
     finally:
         # A process group this call brought up is torn down here, not left to the
         # interpreter's exit, where gloo's threads can abort a run that has finished.
@@ -266,6 +291,7 @@ def _train_placed(
     placement: Placement,
     echo: Callable[[str], None],
     preemption: Preemption | None,
+    threads: Threads,
 ) -> dict[str, Any]:
     """:func:`train` once the data is loaded and this process's place is set up."""
     main = placement.is_main
@@ -278,7 +304,7 @@ def _train_placed(
         processes = f" on {placement.world_size} processes" if placement.world_size > 1 else ""
         echo(
             f"training {' then '.join(run_names(config))} for {config.steps} steps on "
-            f"{data.source}{processes}; writing {config.out}"
+            f"{data.source}{processes}, {threads}; writing {config.out}"
         )
     progress = _progress_factory() if config.progress and main else None
     metrics = Metrics(config.out / "metrics.jsonl" if main else None, append=config.resume)
@@ -295,6 +321,7 @@ def _train_placed(
         if own is not None:
             own.uninstall()
     summary = _summary(config, data, results)
+    summary["threads"] = {"count": torch.get_num_threads(), "chosen_by": threads.why}
     if placement.mesh is not None:
         summary["mesh"] = {
             "shape": list(placement.mesh.shape),

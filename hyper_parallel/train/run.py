@@ -54,6 +54,8 @@ class RunResult:
     name: str
     steps_done: int
     train_losses: list[tuple[int, float]] = field(default_factory=list)
+    #: The train losses the log holds (step 1, every ``log_every``, the last): what the plot draws.
+    logged_train_losses: list[tuple[int, float]] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     seconds: float = 0.0
     tokens_per_s: float = 0.0
@@ -90,6 +92,7 @@ class RunResult:
         for row in rows:
             if "train_loss" in row:
                 result.train_losses.append((row["step"], row["train_loss"]))
+                result.logged_train_losses.append((row["step"], row["train_loss"]))
             if "val_loss" in row:
                 result.val_losses.append((row["step"], row["val_loss"]))
             if "skipped" in row:
@@ -410,6 +413,7 @@ class _Run:
 
     def _log(self, step: int, loss: float, lrs: dict[str, float]) -> None:
         tps = self.throughput.window()
+        self.result.logged_train_losses.append((step, loss))
         self.metrics.write(
             {
                 "run": self.name,

@@ -1,0 +1,114 @@
+"""How many CPU threads torch uses while ``hyper-parallel train`` runs.
+
+torch starts one intra-op thread per core. On a machine doing anything else,
+those threads wait on each other at every parallel operation whenever one of
+them is descheduled, and a step slows several-fold; one thread fewer than the
+free cores costs far less. So ``train`` takes ``--threads`` when given, else
+``OMP_NUM_THREADS`` (torchrun sets it to 1 for several processes per node),
+else this process's share of the CPUs it may use, less the share the load
+average at its start says is busy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["Threads", "choose_threads", "torch_threads", "usable_cpus"]
+
+
+@dataclass(frozen=True)
+class Threads:
+    """A thread count and what chose it, as the run's header line says it."""
+
+    count: int
+    why: str  # "--threads", "OMP_NUM_THREADS", or the CPUs and load it was worked out from
+
+    def __str__(self) -> str:
+        return f"{self.count} torch thread{'s' if self.count != 1 else ''} ({self.why})"
+
+
+def choose_threads(
+    *,
+    requested: int | None,
+    env: Mapping[str, str],
+    cpus: int,
+    machine_cpus: int,
+    load: float | None,
+) -> Threads:
+    """The threads for one process: ``requested``, else ``OMP_NUM_THREADS``, else worked out.
+
+    Args:
+        requested: ``--threads``, or ``None``.
+        env: the environment (``OMP_NUM_THREADS``, torchrun's ``LOCAL_WORLD_SIZE``).
+        cpus: the CPUs this process may use (its affinity, or its cgroup's quota).
+        machine_cpus: every CPU of the machine, which the load average counts over.
+        load: the 1-minute load average at the start, or ``None`` where unknown.
+
+    Worked out, it is ``cpus / LOCAL_WORLD_SIZE`` times the share of the
+    machine the load leaves free, rounded, and at least 1: on 2 CPUs, a load
+    above 0.5 leaves 1 thread.
+    """
+    if requested is not None:
+        return Threads(requested, "--threads")
+    if (omp := _positive(env.get("OMP_NUM_THREADS", "").split(",")[0])) is not None:
+        return Threads(omp, "OMP_NUM_THREADS")
+    local = _positive(env.get("LOCAL_WORLD_SIZE", "")) or 1
+    share = max(cpus / local, 1.0)
+    busy = min(max(load or 0.0, 0.0) / max(machine_cpus, 1), 1.0)
+    count = max(1, min(int(share * (1 - busy) + 0.5), int(share)))
+    said = f"{cpus} CPUs" + (f" / {local} processes" if local > 1 else "")
+    return Threads(count, said + (f", load {load:.1f}" if load is not None else ""))
+
+
+def _positive(text: str) -> int | None:
+    try:
+        value = int(text.strip())
+    except ValueError:
+        return None
+    return value if value >= 1 else None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, within its cgroup's CPU quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, round(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows, or a platform that does not say
+        return None
+
+
+@contextlib.contextmanager
+def torch_threads(requested: int | None) -> Iterator[Threads]:
+    """torch's intra-op threads set for the run (:func:`choose_threads`), then put back."""
+    threads = choose_threads(
+        requested=requested,
+        env=os.environ,
+        cpus=usable_cpus(),
+        machine_cpus=os.cpu_count() or 1,
+        load=_load(),
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads.count)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
