@@ -211,7 +211,11 @@ def test_state_dict_round_trip_gives_identical_next_step(batch: torch.Tensor) ->
     chained = _chained(a)
     _train(a, chained, batch, 2)
     state = copy.deepcopy(chained.state_dict())
-    assert set(state) == {"muon", "adamw"}
+    assert set(state) == {"state", "param_groups"}
+    owners = [group["optimizer"] for group in state["param_groups"]]
+    assert owners == [name for name, opt in chained.optimizers.items() for _ in opt.param_groups]
+    numbered = [i for group in state["param_groups"] for i in group["params"]]
+    assert numbered == list(range(len(numbered))) and set(state["state"]) <= set(numbered)
     b = copy.deepcopy(a)
     restored = _chained(b)
     restored.load_state_dict(state)
@@ -228,11 +232,18 @@ def test_load_state_dict_mismatch_leaves_state_unchanged(
     chained = _chained(model)
     _train(model, chained, batch, 1)
     before = copy.deepcopy(chained.state_dict())
-    with pytest.raises(ValueError, match=r"missing \['adamw'\], unexpected \['lion'\]"):
-        chained.load_state_dict({"muon": before["muon"], "lion": before["adamw"]})
+    with pytest.raises(ValueError, match="torch's optimizer format, 'state' and 'param_groups'"):
+        chained.load_state_dict({"muon": before, "adamw": before})
+    with pytest.raises(ValueError, match=r"has 2 param groups \(muon: 1, adamw: 1\); .* has 1"):
+        chained.load_state_dict({**before, "param_groups": before["param_groups"][:1]})
+    swapped = {**before, "param_groups": before["param_groups"][::-1]}
+    with pytest.raises(
+        ValueError, match="sub-optimizer 'muon' belongs to 'adamw' in the state dict"
+    ):
+        chained.load_state_dict(swapped)
     broken = copy.deepcopy(before)
-    broken["adamw"]["param_groups"][0]["params"] = broken["adamw"]["param_groups"][0]["params"][:1]
-    broken["muon"]["param_groups"][0]["lr"] = 123.0
+    broken["param_groups"][1]["params"] = broken["param_groups"][1]["params"][:1]
+    broken["param_groups"][0]["lr"] = 123.0
     with pytest.raises(ValueError, match="Param group 0 of sub-optimizer 'adamw'"):
         chained.load_state_dict(broken)
     assert chained.optimizers["muon"].param_groups[0]["lr"] == 0.02

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -22,10 +22,12 @@ from hyper_parallel.core.optimizer._main_params import (
     warn_main_params_rebuilt,
 )
 
-__all__ = ["MAIN_PARAMS_KEY", "ChainedOptimizer"]
+__all__ = ["MAIN_PARAM_KEY", "OWNER_KEY", "ChainedOptimizer"]
 
-#: The key of the main copies in :meth:`ChainedOptimizer.state_dict` (when it has them).
-MAIN_PARAMS_KEY = "main_params"
+#: The key of a param's fp32 main copy in its state in :meth:`ChainedOptimizer.state_dict`.
+MAIN_PARAM_KEY = "main_param"
+#: The key of a saved param group that names the sub-optimizer it belongs to.
+OWNER_KEY = "optimizer"
 
 # torch.optim.Optimizer's hook registries, by attribute name.
 
@@ -81,6 +83,39 @@ class _ChainedDefaults(dict[str, Any]):
         )
 
 
+class _ModelGroup(MutableMapping[str, Any]):
+    """A sub-optimizer's param group whose ``"params"`` are the model params, not main copies."""
+
+    def __init__(self, group: dict[str, Any], main_params: MainParams) -> None:
+        self._group = group
+        self._main_params = main_params
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "params":
+            return [self._main_params.param_of(p) for p in self._group["params"]]
+        return self._group[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "params":
+            raise HyperParallelValueError(
+                "The params of a ChainedOptimizer group with main copies are fixed; add params "
+                "with add_param_group."
+            )
+        self._group[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._group[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._group)
+
+    def __len__(self) -> int:
+        return len(self._group)
+
+    def __repr__(self) -> str:
+        return repr({key: self[key] for key in self})
+
+
 class ChainedOptimizer(Optimizer):
     """Named optimizers (e.g. Muon for matrices, AdamW for the rest) stepped as one.
 
@@ -92,7 +127,9 @@ class ChainedOptimizer(Optimizer):
       sub-optimizer that owns the group;
     * ``step(closure)`` evaluates the closure once, then steps every
       sub-optimizer in order; step pre/post hooks work as usual;
-    * ``state_dict()`` is keyed by sub-optimizer name.
+    * ``state_dict()`` has torch's optimizer format (each group marked with
+      its sub-optimizer's name), so torch's distributed-checkpoint helpers
+      save and load it.
 
     Args:
         optimizers: A mapping of name to optimizer, e.g.
@@ -139,8 +176,18 @@ class ChainedOptimizer(Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """Every sub-optimizer's group dicts (the same objects, not copies)."""
-        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+        """Every sub-optimizer's group dicts (the same objects, not copies).
+
+        With main copies, each group is seen through a view whose ``"params"``
+        are the model params the copies stand for (where backward writes the
+        gradients, which ``GradScaler`` unscales and torch's
+        distributed-checkpoint helpers name); every other key is the
+        sub-optimizer's group's own, read and written through.
+        """
+        groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
+        if self.main_params is None or not len(self.main_params):
+            return groups
+        return [_ModelGroup(g, self.main_params) for g in groups]  # type: ignore[misc]
 
     @property
     def state(self) -> Mapping[torch.Tensor, Any]:  # type: ignore[override]
@@ -324,65 +371,133 @@ class ChainedOptimizer(Optimizer):
     # -- state -----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The sub-optimizers' state dicts, keyed by name.
+        """The chain's state in torch's optimizer format, as one optimizer would give it.
 
-        With main copies, ``state_dict()["main_params"]`` is the list of them,
-        in the order they were made.
+        ``{"state": {index: {...}}, "param_groups": [{..., "params": [index, ...]}]}``,
+        the params numbered in :attr:`param_groups` order, each group marked
+        with the name of the sub-optimizer it belongs to (``"optimizer"``), and
+        each main copy (if any) in its param's state as ``"main_param"``. This is
+        the format torch's distributed-checkpoint helpers
+        (``get_optimizer_state_dict`` and the rest) expect of an optimizer.
         """
         for pre_hook in optimizer_hook_dict(self, "state_dict_pre").values():
             pre_hook(self)
-        state: dict[str, Any] = {name: opt.state_dict() for name, opt in self.optimizers.items()}
-        if self.main_params is not None:
-            state[MAIN_PARAMS_KEY] = [main.detach() for _, main in self.main_params]
+        state: dict[int, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        count = 0
+        for name, opt in self.optimizers.items():
+            saved = opt.state_dict()
+            for group, live in zip(saved["param_groups"], opt.param_groups, strict=True):
+                ids = list(range(count, count + len(live["params"])))
+                count += len(ids)
+                for old, new, param in zip(group["params"], ids, live["params"], strict=True):
+                    entry = dict(saved["state"].get(old, {}))
+                    if self._is_main(param):
+                        entry[MAIN_PARAM_KEY] = param.detach()
+                    if entry:
+                        state[new] = entry
+                groups.append({**group, "params": ids, OWNER_KEY: name})
+        sd: dict[str, Any] = {"state": state, "param_groups": groups}
         for post_hook in optimizer_hook_dict(self, "state_dict_post").values():
-            result = post_hook(self, state)
+            result = post_hook(self, sd)
             if result is not None:
-                state = result
-        return state
+                sd = result
+        return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
-        """Load a state dict produced by :meth:`state_dict`.
+        """Load a state dict in the format of :meth:`state_dict`.
 
-        Everything is validated before any sub-optimizer is changed, so a
-        mismatched state dict leaves this optimizer as it was. A state dict
-        saved without fp32 main params loads into a chain that keeps them:
-        the copies are remade from the (already loaded) model params, with a
-        warning. One saved with them loads into a chain without: they are
-        dropped, with a warning.
+        Its params may be keyed by index or by name (torch's
+        distributed-checkpoint helpers key them by name); they are matched to
+        this chain's params by position, group by group. Everything is
+        validated before any sub-optimizer is changed, so a mismatched state
+        dict leaves this optimizer as it was. Loaded main copies are rounded
+        into their params (as every step does). A state dict saved without fp32
+        main params loads into a chain that keeps them: the copies are remade
+        from the (already loaded) model params, with a warning. One saved with
+        them loads into a chain without: they are dropped, with a warning.
         """
         sd: Mapping[str, Any] = state_dict
         for pre_hook in optimizer_hook_dict(self, "load_state_dict_pre").values():
             result = pre_hook(self, sd)  # type: ignore[arg-type]
             if result is not None:
                 sd = result
-        expected = set(self.optimizers)
-        missing = sorted(expected - set(sd))
-        unexpected = sorted(set(sd) - expected - {MAIN_PARAMS_KEY})
-        if missing or unexpected:
-            raise HyperParallelValueError(
-                "ChainedOptimizer state dict does not match its sub-optimizers: "
-                f"missing {missing or 'none'}, unexpected {unexpected or 'none'}; "
-                f"this optimizer has {', '.join(sorted(expected))}."
-            )
+        parts, saved_mains = self._split(sd)
         for name, opt in self.optimizers.items():
-            _check_compatible(name, opt, sd[name])
-        mains = self.main_params if self.main_params is not None and len(self.main_params) else None
-        saved_mains = sd.get(MAIN_PARAMS_KEY)
-        if mains is not None and saved_mains is not None:
+            _check_compatible(name, opt, parts[name])
+        mains = [param for param in self._params() if self._is_main(param)]
+        if mains and saved_mains:
             _check_mains_compatible(mains, saved_mains)
         for name, opt in self.optimizers.items():
-            opt.load_state_dict(sd[name])
-        if mains is not None and saved_mains is not None:
+            opt.load_state_dict(parts[name])
+        if mains and saved_mains:
             with torch.no_grad():
-                for (_, main), saved in zip(mains, saved_mains, strict=True):
-                    main.copy_(saved)
-        elif mains is not None:
-            mains.params_to_mains()
+                for main in mains:
+                    main.copy_(saved_mains[id(main)])
+            cast(MainParams, self.main_params).mains_to_params()
+        elif mains:
+            cast(MainParams, self.main_params).params_to_mains()
             warn_main_params_rebuilt("The state dict")
         elif saved_mains:
             warn_main_params_dropped("The state dict")
         for post_hook in optimizer_hook_dict(self, "load_state_dict_post").values():
             post_hook(self)
+
+    def _is_main(self, param: torch.Tensor) -> bool:
+        return self.main_params is not None and self.main_params.param_of(param) is not param
+
+    def _split(
+        self, sd: Mapping[str, Any]
+    ) -> tuple[dict[str, dict[str, Any]], dict[int, torch.Tensor]]:
+        """``sd`` as each sub-optimizer's own state dict, and the saved main copies by main's id."""
+        groups = _saved_groups(sd, self.optimizers)
+        parts: dict[str, dict[str, Any]] = {}
+        mains: dict[int, torch.Tensor] = {}
+        for name, opt in self.optimizers.items():
+            own, groups = groups[: len(opt.param_groups)], groups[len(opt.param_groups) :]
+            state: dict[Any, Any] = {}
+            for index, group in enumerate(own):
+                owner = group.get(OWNER_KEY, name)
+                if owner != name:
+                    raise HyperParallelValueError(
+                        f"Param group {index} of sub-optimizer {name!r} belongs to {owner!r} in the "
+                        f"state dict; load it into a chain with the same sub-optimizers, in the "
+                        f"same order ({', '.join(self.optimizers)})."
+                    )
+                live = opt.param_groups[index]["params"]
+                for key, param in zip(group["params"], live, strict=False):
+                    entry = dict(sd["state"].get(key, {}))
+                    main = entry.pop(MAIN_PARAM_KEY, None)
+                    if main is not None:
+                        mains[id(param)] = main
+                    if entry:
+                        state[key] = entry
+            parts[name] = {
+                "state": state,
+                "param_groups": [
+                    {k: v for k, v in group.items() if k != OWNER_KEY} for group in own
+                ],
+            }
+        return parts, mains
+
+
+def _saved_groups(sd: Mapping[str, Any], optimizers: Mapping[str, Optimizer]) -> list[Any]:
+    """The saved param groups, as many as the chain's sub-optimizers have together."""
+    if not isinstance(sd, Mapping) or "state" not in sd or "param_groups" not in sd:
+        keys = ", ".join(map(repr, sd)) if isinstance(sd, Mapping) else type(sd).__name__
+        raise HyperParallelValueError(
+            "A ChainedOptimizer state dict has torch's optimizer format, 'state' and "
+            f"'param_groups' (what ChainedOptimizer.state_dict() returns); got {keys}."
+        )
+    groups = list(sd["param_groups"])
+    have = {name: len(opt.param_groups) for name, opt in optimizers.items()}
+    if len(groups) != sum(have.values()):
+        counts = ", ".join(f"{name}: {count}" for name, count in have.items())
+        raise HyperParallelValueError(
+            f"This ChainedOptimizer has {sum(have.values())} param groups ({counts}); the state "
+            f"dict has {len(groups)}."
+        )
+    return groups
 
 
 def _group_params(opt: Optimizer) -> Iterator[torch.Tensor]:
@@ -444,11 +559,6 @@ def _check_main_params(
     main_params: MainParams, named: Mapping[str, Optimizer], seen: Mapping[int, str]
 ) -> None:
     """Each main copy is in a sub-optimizer, and no sub-optimizer also holds its param."""
-    if MAIN_PARAMS_KEY in named:
-        raise HyperParallelValueError(
-            f"A sub-optimizer is named {MAIN_PARAMS_KEY!r}, which the chain's state dict uses for "
-            "its main copies; rename that sub-optimizer."
-        )
     for param, main in main_params:
         if id(param) in seen:
             raise HyperParallelValueError(
@@ -462,19 +572,15 @@ def _check_main_params(
             )
 
 
-def _check_mains_compatible(main_params: MainParams, saved: Any) -> None:
-    mains = [main for _, main in main_params]
-    if not isinstance(saved, Sequence) or len(saved) != len(mains):
-        count = len(saved) if isinstance(saved, Sequence) else type(saved).__name__
-        raise HyperParallelValueError(
-            f"This ChainedOptimizer has {len(mains)} main copies; the state dict's "
-            f"{MAIN_PARAMS_KEY!r} holds {count}."
-        )
-    for index, (main, value) in enumerate(zip(mains, saved, strict=True)):
+def _check_mains_compatible(mains: Sequence[torch.Tensor], saved: Mapping[int, Any]) -> None:
+    """Every main copy has a saved value of its shape."""
+    for index, main in enumerate(mains):
+        value = saved.get(id(main))
         if not isinstance(value, torch.Tensor) or value.shape != main.shape:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            got = "none" if value is None else getattr(value, "shape", type(value).__name__)
             raise HyperParallelValueError(
-                f"Main copy {index} has shape {tuple(main.shape)}; the state dict holds {got}."
+                f"Main copy {index} has shape {tuple(main.shape)}; the state dict holds "
+                f"{tuple(got) if isinstance(got, torch.Size) else got}."
             )
 
 
