@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,6 +16,7 @@ import torch
 from conftest import TINY_TRAIN_ARGS as TINY
 from hyper_parallel.cli import main
 from hyper_parallel.train import TinyGPT, TrainConfig, plot, steps_to_reach, synthetic_corpus, train
+from hyper_parallel.train import threads as threads_module
 from hyper_parallel.train.data import SYNTHETIC_ALPHABET
 from hyper_parallel.train.loop import _comparison_line, reached_between
 from hyper_parallel.train.plot import Curve, smooth_by_step
@@ -347,6 +349,27 @@ def test_threads_reach_torch_for_the_run_and_are_put_back(
     assert summary["threads"] == {"count": 3, "chosen_by": "--threads"}  # as torch reported it
     assert "3 torch threads (--threads); writing" in capsys.readouterr().out
     assert torch.get_num_threads() == before
+
+
+def test_a_resume_keeps_the_threads_its_run_was_saved_with_unless_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads_module, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(threads_module, "_load", lambda: 0.0)  # worked out: 2 threads
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+    run = ["train", *TINY, "--eval-every", "2", "--out", str(tmp_path / "run"), *ckpt]
+    last = tmp_path / "ckpt" / "muon_adamw" / "step_00000004"
+    assert main([*run, "--steps", "4", "--threads", "1"]) == 0
+    shutil.rmtree(last)  # as if it had stopped after step 2's checkpoint
+    assert main([*run, "--steps", "4", "--resume"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["threads"] == {"count": 1, "chosen_by": "as the run was saved with"}
+    shutil.rmtree(last)
+    assert main([*run, "--steps", "4", "--resume", "--threads", "2"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["threads"] == {"count": 2, "chosen_by": "--threads"}
+    assert "1 torch thread (as the run was saved with)" in capsys.readouterr().out
 
 
 # -- --compare's wording -----------------------------------------------------------------

@@ -27,7 +27,7 @@ from hyper_parallel.train.preflight import (
     run_names,
 )
 from hyper_parallel.train.run import Metrics, RunResult, replace_atomically, run_one
-from hyper_parallel.train.threads import Threads, torch_threads
+from hyper_parallel.train.threads import Threads, resumed_threads, torch_threads
 
 if TYPE_CHECKING:
     from hyper_parallel.checkpoint import Preemption, Verified
@@ -224,6 +224,8 @@ def _train_checked(
 ) -> dict[str, Any]:
     """:func:`train` once its paths are checked, its data loaded and its folders locked."""
     resumed = check_resume(config, data)
+    saved = next((v.extra.get("train", {}) for v in resumed.values() if v is not None), {})
+    threads = resumed_threads(threads, saved.get("threads"))
     if _finished(config, resumed):
         return _left_as_it_was(config, resumed)
     check_memory(config, data.vocab_size)

@@ -146,9 +146,11 @@ def resume_record(
     """What a checkpoint of run ``name`` records about how it was made (its ``extra``).
 
     Every option that changes the numbers (:attr:`Option.recorded`), the
-    warmup in effect, a digest of the data, and the number of processes (each
-    draws its own batches).
+    warmup in effect, a digest of the data, the number of processes (each
+    draws its own batches) and torch's threads (which a resume keeps).
     """
+    import torch
+
     record: dict[str, Any] = {}
     for f in config_fields():
         if f.option.recorded:
@@ -160,6 +162,7 @@ def resume_record(
         vocab_size=data.vocab_size,
         data_digest=data.digest(),
         world_size=world_size,
+        threads=torch.get_num_threads(),  # not refused when it differs: resumed_threads keeps it
     )
     return {"train": record}
 
@@ -205,14 +208,19 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+#: Recorded but never refused: --data is compared by its digest (the same text may have
+#: moved), and a resumed run takes the saved thread count (``resumed_threads``).
+_NOT_REFUSED = frozenset({"data", "threads"})
+
+
 def _refuse_changes(
     config: TrainConfig, made: dict[str, Any], now: dict[str, Any], path: Path
 ) -> None:
     """Raise for the first recorded value that differs."""
     for key in now:  # in the order of the flags
         value = made.get(key, now[key])  # a key older checkpoints lack is not checked
-        if key == "data" or now[key] == value:
-            continue  # --data is compared by digest: the same text may have moved
+        if key in _NOT_REFUSED or now[key] == value:
+            continue
         if key in _SAME_DATA:
             before = made.get("data") or "the built-in data"
             raise TrainError(

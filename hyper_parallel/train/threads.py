@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Threads", "choose_threads", "torch_threads", "usable_cpus"]
+__all__ = ["Threads", "choose_threads", "resumed_threads", "torch_threads", "usable_cpus"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class Threads:
 
     count: int
     why: str  # "--threads", "OMP_NUM_THREADS", or the CPUs and load it was worked out from
+    given: bool = False  # by --threads or OMP_NUM_THREADS, not worked out here
 
     def __str__(self) -> str:
         return f"{self.count} torch thread{'s' if self.count != 1 else ''} ({self.why})"
@@ -55,9 +56,9 @@ def choose_threads(
     above 0.5 leaves 1 thread.
     """
     if requested is not None:
-        return Threads(requested, "--threads")
+        return Threads(requested, "--threads", given=True)
     if (omp := _positive(env.get("OMP_NUM_THREADS", "").split(",")[0])) is not None:
-        return Threads(omp, "OMP_NUM_THREADS")
+        return Threads(omp, "OMP_NUM_THREADS", given=True)
     local = _positive(env.get("LOCAL_WORLD_SIZE", "")) or 1
     share = max(cpus / local, 1.0)
     busy = min(max(load or 0.0, 0.0) / max(machine_cpus, 1), 1.0)
@@ -112,3 +113,18 @@ def torch_threads(requested: int | None) -> Iterator[Threads]:
         yield threads
     finally:
         torch.set_num_threads(before)
+
+
+def resumed_threads(threads: Threads, saved: object) -> Threads:
+    """The threads of a resumed run: those its checkpoint was saved with, unless given.
+
+    The thread count changes how torch splits its reductions, so the last bits
+    of the numbers; a resume worked out on a busier or quieter machine would
+    not continue the run bit for bit. ``--threads`` or ``OMP_NUM_THREADS``
+    still decide when given. Sets torch's count; ``saved`` is the
+    checkpoint's record (``None`` when it has none).
+    """
+    if threads.given or not isinstance(saved, int) or saved < 1 or saved == threads.count:
+        return threads
+    torch.set_num_threads(saved)
+    return Threads(saved, "as the run was saved with")
