@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks.checkpoint import case_checkpoint
+from benchmarks.compile import case_compile
 from benchmarks.ns_paths import case_paths
 from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
 from benchmarks.preemption import case_preemption
@@ -732,6 +733,7 @@ CASES: dict[str, Callable[[Settings], Iterator[Row]]] = {
     "swap": case_swap,
     "paths": case_paths,
     "preemption": case_preemption,
+    "compile": case_compile,
 }
 
 

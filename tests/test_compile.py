@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -36,4 +37,34 @@ def test_compiled_step_equals_eager(name: str) -> None:
         eager_opt.step()
         step()
     for p, q in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_step_of_many_shapes_under_a_schedule_stays_within_the_recompile_limit() -> None:
+    """Ten matrix shapes and an lr that changes every step: compiled without falling back."""
+    from hyper_parallel import get_hyper_lr_scheduler, get_hyper_optimizer
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    widths = [8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48]
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+
+    runs = []
+    for compiled in (False, True):
+        net = model()
+        opt = get_hyper_optimizer(net)
+        schedule = get_hyper_lr_scheduler(opt, "cosine", total_steps=12, warmup_steps=2)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        gen.manual_seed(0)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for _ in range(12):
+                net(torch.randn(4, widths[0], generator=gen)).square().mean().backward()
+                step()
+                schedule.step()
+                opt.zero_grad()
+        runs.append(net)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)

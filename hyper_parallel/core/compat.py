@@ -8,8 +8,10 @@ these helpers rather than torch's private names.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,12 +31,30 @@ __all__ = [
     "cpu_has_native_bf16",
     "cpu_kind",
     "device_has_foreach_support",
+    "eager_when_compiled",
     "fsdp_param_groups",
     "fused_kernel_devices",
     "init_optimizer_hooks",
     "optimizer_hook_dict",
     "strided_shard_type",
 ]
+
+
+def eager_when_compiled(fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)``, as eager code even inside ``torch.compile`` (``torch.compiler.disable``).
+
+    Dynamo (and what it imports) loads only when something is compiled.
+    """
+    if torch.compiler.is_compiling():
+        _disabled(fn)(*args)
+    else:
+        fn(*args)
+
+
+@functools.cache
+def _disabled(fn: Callable[..., None]) -> Callable[..., None]:
+    disabled: Callable[..., None] = torch.compiler.disable(fn, reason="runs eagerly")
+    return disabled
 
 
 def strided_shard_type() -> Any:

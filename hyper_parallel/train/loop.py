@@ -224,7 +224,9 @@ def _train_checked(
 ) -> dict[str, Any]:
     """:func:`train` once its paths are checked, its data loaded and its folders locked."""
     resumed = check_resume(config, data)
-    saved = next((v.extra.get("train", {}) for v in resumed.values() if v is not None), {})
+    saved: dict[str, Any] = next(
+        (v.extra.get("train", {}) for v in resumed.values() if v is not None), {}
+    )
     threads = resumed_threads(threads, saved.get("threads"))
     if _finished(config, resumed):
         return _left_as_it_was(config, resumed)

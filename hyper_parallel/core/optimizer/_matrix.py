@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
+from hyper_parallel.core.compat import eager_when_compiled
 from hyper_parallel.core.distributed import GroupBackends, ShardingBackend
 from hyper_parallel.core.distributed.toolkit import local_tensor, shard_like
 from hyper_parallel.core.errors import HyperParallelRuntimeError
@@ -169,10 +170,22 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
-            for group in self.param_groups:
-                self._step_group(group)
+        eager_when_compiled(_step_groups, self)
         return loss
+
+
+@torch.no_grad()
+def _step_groups(optimizer: MatrixOptimizer) -> None:
+    """Every group's update; eager code even inside ``torch.compile(optimizer.step)``.
+
+    The step's time is its matrix products (Newton-Schulz), which compiling
+    does not shorten, and its work is laid out per matrix shape and per
+    step's lr, which Dynamo would specialize on: compiled, a model of more
+    than 8 matrix shapes or a changing lr hit Dynamo's recompile limit. The
+    rest of a compiled step (AdamW, the chain) still compiles.
+    """
+    for group in optimizer.param_groups:
+        optimizer._step_group(group)
 
 
 def by_device_and_dtype(tensors: list[Tensor]) -> list[list[int]]:
