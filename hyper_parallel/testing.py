@@ -40,6 +40,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -391,6 +392,9 @@ def check_sharding_backend(name: str) -> None:
 
 # How long rank 0 waits for the other ranks to finish before it exits anyway.
 _EXIT_WAIT_S = 60.0
+#: How long a rank waits in one collective before it fails (gloo's default is 30 minutes):
+#: ranks that disagree on their collectives fail the test instead of hanging it.
+_COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
 
 def free_port() -> int:
@@ -419,7 +423,9 @@ def _worker(
     fault_log = Path(errors, f"rank{rank}.fault").open("w")  # noqa: SIM115
     faulthandler.enable(file=fault_log, all_threads=True)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=_COLLECTIVE_TIMEOUT
+        )
         fn(rank, world_size, *args)
         dist.barrier()
     except BaseException:

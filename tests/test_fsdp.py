@@ -312,7 +312,7 @@ def test_init_device_mesh_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_npu_without_torch_npu_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # makes `import torch_npu` fail
-    with pytest.raises(ImportError, match=r"torch_npu.*pip install hyper-parallel\[npu\]"):
+    with pytest.raises(ImportError, match=r'torch_npu.*pip install "hyper-parallel\[npu\]"'):
         init_device_mesh("npu", 1)
     # "auto" skips the missing NPU instead of failing.
     assert fsdp_module.init_device_mesh is init_device_mesh

@@ -42,7 +42,7 @@ BACKEND_FOR_DEVICE: dict[str, str] = {"npu": "hccl", "cuda": "nccl", "cpu": "glo
 
 _DEVICE_TYPES = ("auto", *BACKEND_FOR_DEVICE)
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-_NPU_INSTALL_HINT = "pip install hyper-parallel[npu]"
+_NPU_INSTALL_HINT = 'pip install "hyper-parallel[npu]"'
 
 
 def _import_torch_npu() -> None:
