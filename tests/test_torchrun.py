@@ -134,7 +134,7 @@ def test_checkpoint_recipe_resumes_bitwise_under_torchrun(tmp_path: Path) -> Non
     (tmp_path / "resume.py").write_text(script)
     result = _torchrun(str(tmp_path / "resume.py"))
     assert result.returncode == 0, result.stderr[-4000:]
-    assert sorted(result.stdout.split("\n")[:-1]) == [
-        "rank 0: resumed bitwise: True",
-        "rank 1: resumed bitwise: True",
-    ]
+    # Each rank prints one line; the two writes may land in either order, even on one line.
+    assert "False" not in result.stdout, result.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: resumed bitwise: True" in result.stdout, result.stdout

@@ -339,6 +339,19 @@ def test_the_load_counts_as_a_share_of_the_whole_machine() -> None:
     assert threads.count == 2
 
 
+def test_the_load_is_the_cpus_busy_now_not_the_load_average(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    times = iter([(1000, 800), (1100, 850)])  # (all, idle): 50 of 100 ticks busy
+    monkeypatch.setattr(threads_module, "_cpu_times", lambda: next(times))
+    monkeypatch.setattr(threads_module, "_LOAD_WINDOW_S", 0.0)
+    monkeypatch.setattr(threads_module.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(threads_module.os, "getloadavg", lambda: (3.9, 0.0, 0.0))
+    assert threads_module._load() == 2.0  # half of 4 CPUs, not the lagging 3.9
+    monkeypatch.setattr(threads_module, "_cpu_times", lambda: None)  # no /proc/stat
+    assert threads_module._load() == 3.9
+
+
 def test_threads_reach_torch_for_the_run_and_are_put_back(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

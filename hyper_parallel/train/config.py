@@ -195,7 +195,7 @@ class TrainConfig:
         default=None,
         metadata=_option(
             "torch's CPU threads (default: OMP_NUM_THREADS if set, else this process's share "
-            "of the CPUs less those the load average says are busy)",
+            "of the CPUs less those busy as it starts)",
             metavar="N",
             positive=True,
         ),

@@ -5,14 +5,15 @@ those threads wait on each other at every parallel operation whenever one of
 them is descheduled, and a step slows several-fold; one thread fewer than the
 free cores costs far less. So ``train`` takes ``--threads`` when given, else
 ``OMP_NUM_THREADS`` (torchrun sets it to 1 for several processes per node),
-else this process's share of the CPUs it may use, less the share the load
-average at its start says is busy.
+else this process's share of the CPUs it may use, less the share that is
+busy as it starts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +49,8 @@ def choose_threads(
         requested: ``--threads``, or ``None``.
         env: the environment (``OMP_NUM_THREADS``, torchrun's ``LOCAL_WORLD_SIZE``).
         cpus: the CPUs this process may use (its affinity, or its cgroup's quota).
-        machine_cpus: every CPU of the machine, which the load average counts over.
-        load: the 1-minute load average at the start, or ``None`` where unknown.
+        machine_cpus: every CPU of the machine, which the load counts over.
+        load: the CPUs busy at the start (:func:`_load`), or ``None`` where unknown.
 
     Worked out, it is ``cpus / LOCAL_WORLD_SIZE`` times the share of the
     machine the load leaves free, rounded, and at least 1: on 2 CPUs, a load
@@ -90,11 +91,37 @@ def usable_cpus() -> int:
     return cpus
 
 
+#: How long :func:`_load` watches the machine's CPUs before the run starts.
+_LOAD_WINDOW_S = 0.25
+
+
 def _load() -> float | None:
+    """How many CPUs are busy now: over a quarter second (Linux), else the 1-minute load average.
+
+    The load average lags by a minute: right after ``pip install`` it still
+    counts the install's work and would cost a quiet machine its threads.
+    """
+    before = _cpu_times()
+    if before is not None:
+        time.sleep(_LOAD_WINDOW_S)
+        after = _cpu_times()
+        if after is not None and after[0] > before[0]:
+            total, idle = after[0] - before[0], after[1] - before[1]
+            return (os.cpu_count() or 1) * (total - idle) / total
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):  # Windows, or a platform that does not say
         return None
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(all, idle) CPU time of the whole machine so far, from ``/proc/stat``; ``None`` elsewhere."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = [int(v) for v in fields]
+    except (OSError, ValueError):
+        return None
+    return sum(ticks[:8]), ticks[3] + ticks[4]  # idle and iowait; guest time is in user already
 
 
 @contextlib.contextmanager
