@@ -752,14 +752,10 @@ def test_each_cpu_kind_takes_its_documented_path(
 def test_the_cpu_kind_follows_the_capability_and_onednns_cap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from hyper_parallel.core import compat
+    from hyper_parallel.core.compat import cpu_kind_of
 
-    def capability(**flags: bool) -> None:
-        monkeypatch.setattr(compat.torch._C._cpu, "_get_cpu_capability", lambda: flags)
-
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    capability(avx2=True, avx512_bf16=True, amx_bf16=True)
-    assert compat.cpu_kind() == "amx" and compat.cpu_has_native_bf16()
+    every = {"avx2": True, "avx512_bf16": True, "amx_bf16": True}
+    assert cpu_kind_of(every, "") == "amx"
     for cap, kind in [
         ("AVX512_CORE_BF16", "avx512_bf16"),
         ("avx10_1_512_amx", "amx"),
@@ -767,15 +763,24 @@ def test_the_cpu_kind_follows_the_capability_and_onednns_cap(
         ("AVX512_CORE", "avx2"),
         ("ALL", "amx"),
     ]:
-        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
-        assert compat.cpu_kind() == kind, cap
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
-    capability(avx2=True, avx512_bf16=True)
-    assert compat.cpu_kind() == "avx512_bf16"
-    capability(avx2=True)
-    assert compat.cpu_kind() == "avx2" and not compat.cpu_has_native_bf16()
-    capability()
-    assert compat.cpu_kind() == "other"
+        assert cpu_kind_of(every, cap) == kind, cap
+    assert cpu_kind_of({"avx2": True, "avx512_bf16": True}, "") == "avx512_bf16"
+    assert cpu_kind_of({"avx2": True}, "") == "avx2"
+    assert cpu_kind_of({}, "") == "other"
+
+
+def test_the_cpu_kind_is_worked_out_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyper_parallel.core import compat
+
+    compat.cpu_kind.cache_clear()
+    monkeypatch.setattr(compat.torch._C._cpu, "_get_cpu_capability", lambda: {"avx2": True})
+    try:
+        assert compat.cpu_kind() == "avx2" and not compat.cpu_has_native_bf16()
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # as oneDNN, which read its cap once
+        monkeypatch.setattr(compat.torch._C._cpu, "_get_cpu_capability", lambda: {})
+        assert compat.cpu_kind() == "avx2"
+    finally:
+        compat.cpu_kind.cache_clear()
 
 
 def test_unmeasured_kinds_and_accelerators_fall_back_as_documented() -> None:

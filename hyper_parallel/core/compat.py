@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "checkpoint_fqn",
     "cpu_has_native_bf16",
     "cpu_kind",
+    "cpu_kind_of",
     "device_has_foreach_support",
     "eager_when_compiled",
     "fsdp_param_groups",
@@ -110,6 +111,7 @@ CPU_KINDS = ("amx", "avx512_bf16", "avx2", "other")
 _BF16_WITHOUT_AMX_CAPS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX10_2_512")
 
 
+@functools.cache
 def cpu_kind() -> str:
     """This CPU's kind for matrix products, one of :data:`CPU_KINDS`.
 
@@ -118,12 +120,17 @@ def cpu_kind() -> str:
     matmul, about 30x slower than fp32); ``"other"``: none of these (or a
     torch without the probe). It is what torch's CPU capability reports,
     lowered by ``ONEDNN_MAX_CPU_ISA`` where that caps oneDNN, which runs
-    torch's bf16 matmuls, below the hardware.
+    torch's bf16 matmuls, below the hardware. Worked out once per process,
+    as oneDNN reads its cap once: a step never reads the environment.
     """
     probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
     if probe is None:
         return "other"
-    capability = probe()
+    return cpu_kind_of(probe(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""))
+
+
+def cpu_kind_of(capability: Mapping[str, bool], onednn_cap: str) -> str:
+    """:func:`cpu_kind` from torch's CPU capability and a value of ``ONEDNN_MAX_CPU_ISA``."""
     kind = (
         "amx"
         if capability.get("amx_bf16")
@@ -133,7 +140,7 @@ def cpu_kind() -> str:
         if capability.get("avx2")
         else "other"
     )
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    cap = onednn_cap.strip().upper()
     if not cap or cap in ("ALL", "DEFAULT") or kind not in ("amx", "avx512_bf16"):
         return kind
     if "AMX" in cap:

@@ -1,0 +1,86 @@
+"""A step decides nothing that was decided when its groups were added: it reads no environment.
+
+Environment variables (``ONEDNN_MAX_CPU_ISA``, ``HYPER_PARALLEL_NS_DTYPE``, the
+sharding and cost-profile variables) are read when an optimizer or a group is
+built. Setting one afterwards changes nothing a step does; these tests watch
+``os.environ`` through a step after the first (which may still fill caches).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from distributed import run_distributed
+from torch import nn
+
+from conftest import TinyLM, lm_loss
+from hyper_parallel import fully_shard, get_hyper_optimizer, init_device_mesh
+
+
+class _Watched(dict[str, str]):
+    """``os.environ`` as a dict that notes every name looked up."""
+
+    def __init__(self, real: os._Environ[str]) -> None:
+        super().__init__(real)
+        self.read: list[str] = []
+
+    def __getitem__(self, name: str) -> str:
+        self.read.append(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        self.read.append(name)
+        return super().get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        self.read.append(str(name))
+        return super().__contains__(name)
+
+
+@contextmanager
+def _watched_environ() -> Iterator[list[str]]:
+    real = os.environ
+    watched = _Watched(real)
+    os.environ = watched  # type: ignore[assignment]  # noqa: B003 (watched, not cleared)
+    try:
+        yield watched.read
+    finally:
+        os.environ = real  # noqa: B003
+
+
+def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, n: int) -> None:
+    for _ in range(n):
+        lm_loss(model, ids).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _reads_during_a_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    _steps(model, optimizer, ids, 2)
+    lm_loss(model, ids).backward()
+    with _watched_environ() as read:
+        optimizer.step()
+    return read
+
+
+@pytest.mark.parametrize("ns_method", ["standard", "gram"])
+def test_a_local_muon_adamw_step_reads_no_environment(ns_method: str) -> None:
+    torch.manual_seed(0)
+    model = TinyLM(dim=32, hidden=64)
+    optimizer = get_hyper_optimizer(model, muon={"ns_method": ns_method}, adamw={})
+    assert _reads_during_a_step(model, optimizer) == []
+
+
+def _check_fsdp(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = fully_shard(TinyLM(dim=32, hidden=64), mesh=init_device_mesh("cpu", (world_size,)))
+    assert _reads_during_a_step(model, get_hyper_optimizer(model)) == []
+
+
+def test_an_fsdp_muon_adamw_step_at_2_ranks_reads_no_environment() -> None:
+    run_distributed(_check_fsdp, world_size=2)
