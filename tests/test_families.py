@@ -23,7 +23,6 @@ from hyper_parallel.core.errors import (
     HyperParallelValueError,
 )
 from hyper_parallel.core.optimizer import ChainedOptimizer, Muon, Sinkhorn, get_hyper_optimizer
-from hyper_parallel.core.optimizer._request import FAMILY_ROUTING_KEYS
 from hyper_parallel.testing import check_partitioner, plugin_registered
 
 TINY = {
@@ -656,12 +655,6 @@ def test_hp_main_parameters_keep_head_geometry_and_float32_sinkhorn_state() -> N
 
 
 # -- the partitioner ----------------------------------------------------------------------
-
-
-def test_family_routing_keys_are_the_partitioners() -> None:
-    from hyper_parallel_builtins.families import FAMILY_KEYS
-
-    assert set(FAMILY_KEYS) == FAMILY_ROUTING_KEYS
 
 
 def test_by_family_passes_the_partitioner_check() -> None:

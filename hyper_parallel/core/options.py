@@ -9,19 +9,39 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 
 __all__ = [
+    "FAMILY_KEYS",
+    "FAMILY_ORDER",
     "GROUP_BOOKKEEPING_KEYS",
     "accepted_keywords",
     "check_group_keys",
     "check_keywords",
     "did_you_mean",
     "env_switch",
+    "listed",
 ]
+
+#: The keys of a family dict (``muon={...}``) that route params to the family's optimizer;
+#: ``by_family`` reads these, and every other key is an option of the optimizer.
+FAMILY_KEYS: tuple[str, ...] = ("param_patterns", "param_groups")
+
+#: The optimizers HyperParallel's forms name (``<name>_params``/``<name>_kwargs``, and the
+#: families of family configuration), in the order their chain steps them (HyperParallel's).
+FAMILY_ORDER: tuple[str, ...] = ("adamw", "muon", "sinkhorn")
+
+#: How many names a message lists before it says how many more there are.
+_NAMES_LISTED = 5
+
+
+def listed(names: Sequence[str], limit: int = _NAMES_LISTED) -> str:
+    """``"a, b, c and 7 more"``: the first ``limit`` names, and how many more, for a message."""
+    more = len(names) - limit
+    return ", ".join(names[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:

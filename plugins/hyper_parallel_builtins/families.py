@@ -39,23 +39,15 @@ from hyper_parallel.core.errors import (
     HyperParallelTypeError,
     HyperParallelValueError,
 )
-from hyper_parallel.core.options import did_you_mean
+from hyper_parallel.core.options import FAMILY_KEYS, FAMILY_ORDER, did_you_mean, listed
 from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, RegisterFn, get_registry
 from hyper_parallel_builtins.param_roles import NamedParam, named_params, output_head_ids
 
-__all__ = ["FAMILY_KEYS", "FAMILY_ORDER", "by_family"]
-
-#: The keys of a family dict that route params; the partitioner reads these and nothing else.
-FAMILY_KEYS: tuple[str, ...] = ("param_patterns", "param_groups")
-
-#: The families family configuration knows, in the order their optimizers are chained
-#: (HyperParallel's); any other registered optimizer gets only what its patterns select.
-FAMILY_ORDER: tuple[str, ...] = ("adamw", "muon", "sinkhorn")
+__all__ = ["by_family"]
 
 _MATRIX_FAMILY = "muon"
 _TOKEN_FAMILY = "sinkhorn"
 _FALLBACK_FAMILY = "adamw"
-_MAX_NAMES_SHOWN = 5
 _GROUP_EXAMPLE = "[{'param_patterns': ['embed_tokens'], 'lr': 0.01}]"
 
 
@@ -87,12 +79,6 @@ class _Family:
     groups: list[tuple[_Selector, dict[str, Any]]]  # its param_groups
     matrix_only: bool
     members: list[NamedParam] = field(default_factory=list)
-
-
-def _shown(names: Sequence[str]) -> str:
-    head = ", ".join(names[:_MAX_NAMES_SHOWN])
-    more = len(names) - _MAX_NAMES_SHOWN
-    return head + (f" and {more} more" if more > 0 else "")
 
 
 def _compile(patterns: Any, where: str) -> list[re.Pattern[str]]:
@@ -320,7 +306,7 @@ def by_family(
     if homeless:
         raise HyperParallelValueError(
             f"No enabled optimizer owns trainable parameter {homeless[0]}"
-            f"{f' (nor {len(homeless) - 1} more: {_shown(homeless[1:])})' if len(homeless) > 1 else ''}. "
+            f"{f' (nor {len(homeless) - 1} more: {listed(homeless[1:])})' if len(homeless) > 1 else ''}. "
             f"Norms, biases and other 1-D params go to {_FALLBACK_FAMILY!r}; turn it on "
             f"({_FALLBACK_FAMILY}={{}}), give another family param_patterns that match them, or "
             "freeze them (requires_grad=False)."

@@ -26,6 +26,7 @@ from hyper_parallel.core.options import (
     accepted_keywords,
     check_group_keys,
     check_keywords,
+    listed,
 )
 from hyper_parallel.core.plugin import (
     OptimizerEntry,
@@ -39,8 +40,6 @@ __all__ = ["get_hyper_optimizer"]
 #: Where params with fewer than two dims go when a matrix-only optimizer (Muon) is given them.
 FALLBACK_OPTIMIZER = "adamw"
 
-_MAX_NAMES_SHOWN = 5
-
 
 @dataclass
 class _Spec:
@@ -51,12 +50,6 @@ class _Spec:
     groups: list[dict[str, Any]] = field(default_factory=list)
     kwargs: dict[str, Any] = field(default_factory=dict)
     params_given: bool = False
-
-
-def _shown(names: list[str]) -> str:
-    head = ", ".join(names[:_MAX_NAMES_SHOWN])
-    more = len(names) - _MAX_NAMES_SHOWN
-    return head + (f" and {more} more" if more > 0 else "")
 
 
 @overload
@@ -332,7 +325,7 @@ class _Plan:
             f"{len(moved)} param(s) with fewer than 2 dims were listed for "
             f"{', '.join(sorted({name for name, _ in moved}))}, which only updates matrices; "
             f"optimizing them with {FALLBACK_OPTIMIZER!r} instead: "
-            f"{_shown([self._label(p) for _, p in moved])}.",
+            f"{listed([self._label(p) for _, p in moved])}.",
             UserWarning,
             stacklevel=4,
         )
@@ -362,7 +355,7 @@ class _Plan:
         if missing:
             raise HyperParallelValueError(
                 f"{len(missing)} trainable param(s) are in no optimizer group and would never "
-                f"train: {_shown(missing)}. Add them to muon_params/adamw_params, freeze them "
+                f"train: {listed(missing)}. Add them to muon_params/adamw_params, freeze them "
                 "(requires_grad=False), or use a partitioner (partitioner='by_shape')."
             )
 

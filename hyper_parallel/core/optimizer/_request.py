@@ -19,14 +19,12 @@ from hyper_parallel.core.errors import (
     HyperParallelTypeError,
     HyperParallelValueError,
 )
-from hyper_parallel.core.options import did_you_mean
+from hyper_parallel.core.options import FAMILY_KEYS, FAMILY_ORDER, did_you_mean
 from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry, normalize_name
 
 __all__ = [
     "DEFAULT_PARTITIONER",
-    "EXPLICIT_FORM",
     "FAMILY_PARTITIONER",
-    "FAMILY_ROUTING_KEYS",
     "GUIDE_ARGUMENTS",
     "Request",
     "Requested",
@@ -34,9 +32,6 @@ __all__ = [
     "parse_request",
 ]
 
-#: The optimizers of the guide's explicit form (``<name>_params``, ``<name>_kwargs``), in the
-#: order they are chained (HyperParallel's).
-EXPLICIT_FORM: tuple[str, ...] = ("adamw", "muon", "sinkhorn")
 
 #: The partitioner used when no params are given at all.
 DEFAULT_PARTITIONER = "by_shape"
@@ -44,8 +39,6 @@ DEFAULT_PARTITIONER = "by_shape"
 #: The partitioner that routes params in family configuration.
 FAMILY_PARTITIONER = "by_family"
 
-#: Keys of a family dict that route params (given to the partitioner); the rest are options.
-FAMILY_ROUTING_KEYS: frozenset[str] = frozenset({"param_patterns", "param_groups"})
 
 #: The keyword arguments of the forms other than family configuration.
 GUIDE_ARGUMENTS: tuple[str, ...] = (
@@ -117,7 +110,7 @@ def parse_request(given: Mapping[str, Any], prefixed: Mapping[str, Any]) -> Requ
             "partitioner_kwargs": routing,
         }
     requested = _Collected()
-    for name in EXPLICIT_FORM:
+    for name in FAMILY_ORDER:
         params, kwargs = given.get(f"{name}_params"), given.get(f"{name}_kwargs")
         if params is not None or kwargs is not None:
             requested.add(name, params, kwargs, f"{name}_params")
@@ -150,7 +143,7 @@ class _Collected(dict[str, Requested]):
 
     def add_prefixed(self, prefixed: Mapping[str, Any]) -> None:
         """``muon_lr=0.02``: an option of that optimizer (requested here if it is not yet)."""
-        for name, extra in _split_prefixed(prefixed, [*self, *EXPLICIT_FORM]).items():
+        for name, extra in _split_prefixed(prefixed, [*self, *FAMILY_ORDER]).items():
             requested = self.get(name) or self.add(name, None, None, f"{name}_* keyword arguments")
             for key, value in extra.items():
                 if key in requested.kwargs:
@@ -240,8 +233,8 @@ def _family_options(
                 "(regular expressions searched in param names)."
             )
         if config is not None:
-            routing[name] = {k: v for k, v in config.items() if k in FAMILY_ROUTING_KEYS}
-            options[name] = {k: v for k, v in config.items() if k not in FAMILY_ROUTING_KEYS}
+            routing[name] = {k: v for k, v in config.items() if k in FAMILY_KEYS}
+            options[name] = {k: v for k, v in config.items() if k not in FAMILY_KEYS}
     return options, {"families": routing}
 
 
