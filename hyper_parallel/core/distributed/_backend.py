@@ -265,7 +265,7 @@ def resolve_backend(
 def _describe(params: Sequence[torch.Tensor], names: Mapping[int, str] | None) -> str:
     described = []
     for index, p in enumerate(params):
-        who = (names or {}).get(id(p), f"param {index}")
+        who = (names or {}).get(id(p)) or getattr(p, "model_name", None) or f"param {index}"
         if is_dtensor(p):
             where = (
                 f"a DTensor with placements {tuple(p.placements)} "  # type: ignore[attr-defined]

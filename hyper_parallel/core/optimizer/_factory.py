@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -12,7 +11,6 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from hyper_parallel.core.distributed import SHARDING_ENV, resolve_backend
 from hyper_parallel.core.distributed._presharding import follow_sharding
 from hyper_parallel.core.errors import (
     HyperParallelTypeError,
@@ -191,7 +189,7 @@ def get_hyper_optimizer(
     )  # fmt: skip
     plan = _Plan(model, request)
     plan.settle()
-    plan.resolve_sharding(sharding)
+    plan.pass_sharding(sharding)
     mains = plan.main_copies() if fp32_main_params else None
     chain = ChainedOptimizer(plan.build(), param_names=model.named_parameters(), main_params=mains)
     if swap_optimizer is None or swap_optimizer is False:
@@ -361,27 +359,18 @@ class _Plan:
 
     # -- building -----------------------------------------------------------------
 
-    def resolve_sharding(self, sharding: str | None) -> None:
-        """Resolve the sharding backend of the optimizers that take one, before any is built.
+    def pass_sharding(self, sharding: str | None) -> None:
+        """Give ``sharding=`` to each optimizer that takes one.
 
-        A named backend (``sharding=``, else ``$HYPER_PARALLEL_SHARDING``) that
-        does not match, or a layout no backend handles, fails here with the
-        params' names; a named backend is passed on to each of them.
+        Each resolves its backend (the named one, else
+        ``$HYPER_PARALLEL_SHARDING``, else detection) once, as its groups are
+        added; a mismatch names the params (their ``model_name``).
         """
-        name = sharding or os.environ.get(SHARDING_ENV) or None
-        takers = [
-            spec
-            for spec in self.specs.values()
-            if "sharding" in (accepted_keywords(spec.entry.obj, skip=1) or ())
-        ]
-        params = [p for spec in takers for g in spec.groups for p in g["params"]]
-        if not params:
+        if sharding is None:
             return
-        origin = "sharding" if sharding else SHARDING_ENV
-        backend = resolve_backend(name, params, param_names=self.names, origin=origin)
-        if name is not None:
-            for spec in takers:
-                spec.kwargs.setdefault("sharding", backend.name)
+        for spec in self.specs.values():
+            if "sharding" in (accepted_keywords(spec.entry.obj, skip=1) or ()):
+                spec.kwargs.setdefault("sharding", sharding)
 
     def main_copies(self) -> MainParams:
         """Give each low-precision param an fp32 main copy, which its optimizer gets instead."""
