@@ -130,9 +130,10 @@ def make_job(
 def _refuse_non_finite(target: Path, tensors: dict[str, Any]) -> None:
     """Raise :class:`NonFiniteStateError` if any tensor to save holds NaN or Inf (every rank alike).
 
-    One ``aminmax`` pass over what is saved and one small all-reduce: 4% of
-    a synchronous save, a third of an asynchronous one's training stall
-    (docs/benchmarks.md, ``python -m benchmarks --cases checkpoint``).
+    One ``aminmax`` pass over what is saved and one small all-reduce: a small
+    share of a synchronous save, a larger one of an asynchronous save's
+    training stall (measured: docs/benchmarks.md, "Checkpoints: the NaN/Inf
+    check and a load's staging copy").
     """
     bad = non_finite(flat_tensors(tensors))
     if bad:

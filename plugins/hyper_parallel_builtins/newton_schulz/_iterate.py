@@ -18,9 +18,10 @@ from hyper_parallel_builtins.newton_schulz._paths import (
 from hyper_parallel_builtins.newton_schulz._workspace import Workspace
 
 #: Rows per block when a symmetric product is built from its lower block
-#: triangle (see :func:`_symmetric_product`). On CPU in bf16, one matrix's
-#: Newton-Schulz with blocks of 256 took 0.85x (size 1024) and 0.78x (2048)
-#: the time of one GEMM per product; 128 and 512 did worse.
+#: triangle (see :func:`_symmetric_product`). On CPU in bf16, blocks of 256
+#: rows made one matrix's Newton-Schulz faster than one GEMM per product, and
+#: faster than blocks of 128 or 512 rows (measured: docs/benchmarks.md, "What
+#: the iteration's constants rest on").
 SYMMETRIC_BLOCK_ROWS = 256
 
 
@@ -96,14 +97,14 @@ def _iterate_(
     result is ``x`` itself or one other stack of its shape. The other stack
     and the Gram and polynomial buffers come from ``ws`` (else they are
     allocated once per call, not per iteration): fresh large tensors cost
-    page faults on CPU (5-10% of the iteration at d=512).
+    page faults on CPU (measured: docs/benchmarks.md, "What the iteration's
+    constants rest on").
 
     Every product is written ``A @ B.mT`` or ``A.mT @ B``, using that the Gram
     matrix and the polynomial are symmetric: CPU BLAS picks faster kernels for
-    these layouts than for ``A @ B``. On a 2-core AVX2 CPU, 8 matrices of
-    256 x 256: bf16 (emulated there) 11-15 GFLOP/s against 1.3, fp32 116-120
-    against 86; the whole iteration in bf16 took 0.69 s against 6.4 s for
-    8 matrices of 256 x 1024.
+    these layouts than for ``A @ B``, most of all in bf16 where the CPU
+    emulates it (measured: docs/benchmarks.md, "Why Newton-Schulz is fast on
+    a CPU").
     """
     # The Gram matrix is rows x rows, so rows <= cols keeps it the small one.
     x.div_(norm_divisor(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), eps, eps_added))
@@ -400,9 +401,9 @@ def stack_into(part: Tensor, matrices: Tensor, workspace: Workspace | None = Non
 
     Into a transposed layout it casts first (into the workspace's ``"cast"``
     buffer), then copies matrix by matrix into the contiguous memory behind
-    ``part``: torch transposes fast only 2-D tensors of one dtype. On an AMX
-    CPU, a 2752 x 1024 float32 matrix into bf16 took 2.1 ms so, against
-    8.4 ms for one transposing cast and 9.6 ms for a copy of the 3-D slice.
+    ``part``: torch transposes fast only 2-D tensors of one dtype, so this
+    beats one transposing cast or a copy of the 3-D slice (measured on an AMX
+    CPU: docs/benchmarks.md, "What the iteration's constants rest on").
     """
     if not _transposed(part):
         part.copy_(matrices)
@@ -429,8 +430,9 @@ def newton_schulz_stack_(
     param) writes each into a stack from :func:`new_stack` and frees it,
     rather than holding them all. A tall stack iterates through its
     transposed view: every product takes the view as it is and writes the
-    stack's own layout (on a CPU, a transposing cast into bf16 took a quarter
-    of a 1376 x 512 matrix's Gram iteration).
+    stack's own layout, as a transposing cast into bf16 would cost a large
+    share of the iteration (measured: docs/benchmarks.md, "What the
+    iteration's constants rest on").
 
     Returns:
         The results, laid out as ``x``: ``x`` itself or another stack

@@ -1,9 +1,10 @@
 """Which path the iteration takes where: per matrix or batched, layouts, standard or Gram.
 
-Every choice rests on a figure measured on one kind of CPU (the tables
-below; ``python -m benchmarks --cases paths`` and ``--cases gram`` reproduce
-them), and a kind or device no one has measured falls back to the FLOP
-count.
+Every choice rests on a figure measured on one kind of CPU (docs/benchmarks.md,
+"Newton-Schulz paths by CPU kind" and "What the iteration's constants rest
+on"; ``python -m benchmarks --cases paths`` and ``--cases gram`` run the
+comparisons), and a kind or device no one has measured falls back to the
+FLOP count.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from hyper_parallel.core.options import did_you_mean
 
 #: From this Gram size on, on CPU, each matrix is iterated with 2-D matmuls
 #: rather than one batched matmul, which lets the symmetric products below
-#: skip part of the work. Measured on CPU, Newton-Schulz alone: at Gram
-#: size 512 the per-matrix path took 1.04x the batched time on the d=512
-#: benchmark set in bf16 (up to 1.3x on 8 square matrices in fp32); at 640,
-#: 768 and 1024 mostly 0.72-0.92x of it (bf16 and fp32, 4-6 matrices).
+#: skip part of the work. At a Gram size of 512 that was slower than the
+#: batched path; from 640 rows on it was mostly faster, in bf16 and fp32
+#: (measured: docs/benchmarks.md, "What the iteration's constants rest on").
 PER_MATRIX_FROM = 640
 
 
@@ -57,9 +57,10 @@ class CpuPath:
 
 #: The path of each (CPU kind, dtype) that was measured: Newton-Schulz alone on
 #: the benchmark's transformer sets, 2 threads (``python -m benchmarks --cases
-#: paths``; the table in docs/benchmarks.md), against one batched GEMM per product
-#: reading ``P`` transposed. AVX512-BF16 was measured on an AMX CPU with oneDNN
-#: capped below AMX; the AVX2 figures are older, from a 2-core AVX2 CPU.
+#: paths``), against one batched GEMM per product reading ``P`` transposed.
+#: AVX512-BF16 was measured on an AMX CPU with oneDNN capped below AMX; the
+#: AVX2 figures are older, from a 2-core AVX2 CPU (measured: docs/benchmarks.md,
+#: "Newton-Schulz paths by CPU kind").
 CPU_PATHS: Mapping[tuple[str, torch.dtype], CpuPath] = MappingProxyType(
     {
         ("amx", torch.bfloat16): CpuPath(
@@ -117,21 +118,20 @@ def per_matrix(x: Tensor, path: CpuPath) -> bool:
 NS_METHODS = ("standard", "gram")
 
 #: ``ns_method="auto"`` picks Gram Newton-Schulz for a matrix whose long side
-#: is at least this many times its short side, by device type. Measured on a
-#: 2-core AVX2 CPU, 5 Keller steps, Gram time over standard time, fp32:
-#: 0.89 at aspect 2.7 (6 x 256 x 690), 0.83 (8 x 512 x 1376), 0.75 at 3.5
-#: (8 x 384 x 1344), 0.77 at 4 (8 x 256 x 1024), 0.59 at 8 (4 x 256 x 2048);
-#: bf16: 0.91 at 2.7, 0.80 at 4. Elsewhere (not measured) the FLOP count
-#: decides: Gram does fewer FLOPs from aspect 2 on; the margin is the CPU's.
+#: is at least this many times its short side, by device type. On a 2-core
+#: AVX2 CPU Gram took less time than the standard iteration from aspect 2.7
+#: on, in fp32 and bf16 (measured: docs/benchmarks.md, "What the iteration's
+#: constants rest on"). Elsewhere (not measured) the FLOP count decides: Gram
+#: does fewer FLOPs from aspect 2 on; the margin is the CPU's.
 GRAM_MIN_ASPECT: Mapping[str, float] = MappingProxyType({"cpu": 2.5})
 
 #: :data:`GRAM_MIN_ASPECT` for device types it does not list.
 GRAM_MIN_ASPECT_DEFAULT = 2.5
 
 #: On a CPU, from :data:`PER_MATRIX_FROM` rows on the standard iteration
-#: multiplies only half of each symmetric product, so Gram pays off later:
-#: fp32, 1.09x the standard time at aspect 2.7 (3 x 1024 x 2752), 0.79x at 4
-#: (2 x 768 x 3072), 0.49x at 4 (2 x 1024 x 4096).
+#: multiplies only half of each symmetric product, so Gram pays off later: in
+#: fp32 it took longer than the standard iteration at aspect 2.7 and less at 4
+#: (measured: docs/benchmarks.md, "What the iteration's constants rest on").
 GRAM_MIN_ASPECT_CPU_LARGE = 3.5
 
 

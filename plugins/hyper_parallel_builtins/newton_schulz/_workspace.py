@@ -3,8 +3,9 @@
 A step of Muon on a transformer stacks dozens of matrices of one shape and
 iterates them together; the stack, its spare, and the Gram and polynomial
 stacks run to tens of megabytes each. Allocated afresh per step, buffers that
-large come from new pages of memory every time: on a 2-core CPU, 200,000
-minor page faults per step at d=1024, a tenth of the step. A
+large come from new pages of memory every time, and the page faults cost a
+share of the step on a CPU (measured: docs/benchmarks.md, "Newton-Schulz
+paths by CPU kind" and "What the iteration's constants rest on"). A
 :class:`Workspace` keeps them instead, for as long as the optimizer that
 owns it lives.
 """
