@@ -53,6 +53,7 @@ from hyper_parallel_builtins.fsdp_backend.cost import (
     choose_team_size,
     device_profile,
     exchange_trips,
+    named_profile,
     team_link,
     team_seconds,
     transport_bytes,
@@ -1003,7 +1004,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_validation(result["validation"])
     if args.model:
         params = _load_params(args.model)
-        cluster = profile or device_profile("cuda") or _default_cluster_profile()
+        cluster = profile or device_profile("cuda", named_profile()) or _default_cluster_profile()
         ranks = [int(r) for r in args.ranks.split(",")]
         param_bytes = getattr(torch, args.param_dtype).itemsize
         rows = predictions(params, ranks, cluster, args.shard_size, param_bytes)

@@ -18,6 +18,7 @@ from hyper_parallel_builtins.fsdp_backend.cost import (
     choose_transport,
     device_profile,
     exchange_trips,
+    named_profile,
     team_link,
     team_seconds,
     transport_bytes,
@@ -89,8 +90,9 @@ def test_profiles_round_trip_through_json_and_the_environment(
     PROFILE.to_json(path)
     assert DeviceProfile.from_json(path) == PROFILE
     monkeypatch.setenv(PROFILE_ENV, str(path))
-    assert device_profile("cuda") == PROFILE
+    assert device_profile("cuda", named_profile()) == PROFILE
     monkeypatch.delenv(PROFILE_ENV)
+    assert named_profile() is None
     assert device_profile("cpu") is not None and device_profile("xpu") is None
     path.write_text('{"name": "x", "all_to_all": {"latency": 1}}')
     with pytest.raises(ValueError, match=r"device profile .*cluster.json: .*A profile is JSON"):

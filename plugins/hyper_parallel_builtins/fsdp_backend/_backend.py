@@ -37,9 +37,7 @@ from hyper_parallel_builtins.fsdp_backend._plan import (
     make_plan,
     team_size_option,
 )
-from hyper_parallel_builtins.fsdp_backend.cost import (
-    TRANSPORTS,
-)
+from hyper_parallel_builtins.fsdp_backend.cost import TRANSPORTS, named_profile
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -124,6 +122,7 @@ class FSDPBackend(ShardingBackend):
         self.overlap, self.transport = overlap, transport
         self.team_size = team_size_option(team_size)
         self._team_size_origin = "team_size" if team_size is not None else TEAM_SIZE_ENV
+        self._profile = named_profile()  # the cost model's file, read once
         self._plans: dict[tuple[Any, ...], ExchangePlan] = {}
         self._teams: dict[tuple[int, ...], ProcessGroup] = {}  # by the team's global ranks
         self.replica_group_size: int | None = None
@@ -223,7 +222,9 @@ class FSDPBackend(ShardingBackend):
                 [tensors[i] for i in indices],
                 [needs[i] for i in indices],
                 cost,
-                PlanOptions(self.transport, self.team_size, team, self._team_size_origin),
+                PlanOptions(
+                    self.transport, self.team_size, team, self._team_size_origin, self._profile
+                ),
                 self._teams,
                 replicas,
             )

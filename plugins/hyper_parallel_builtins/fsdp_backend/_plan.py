@@ -31,6 +31,7 @@ from hyper_parallel.core.distributed.toolkit import (
 )
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel_builtins.fsdp_backend.cost import (
+    DeviceProfile,
     Trip,
     choose_replica_group,
     choose_team_size,
@@ -166,6 +167,7 @@ class PlanOptions:
     team_size: int | str
     team: TeamTransform | None
     team_size_origin: str = "team_size"  # or the environment variable it came from
+    profile: DeviceProfile | None = None  # the file HYPER_PARALLEL_DEVICE_PROFILE named, if any
 
 
 def team_size_option(value: int | str | None) -> int | str:
@@ -251,7 +253,7 @@ def make_plan(
     mine = tuple(layouts[i][rank] for i in range(len(tensors)))
     where = _Where(rank, rows, column_rows)
     buckets = tuple(
-        _bucket([w for k in round_ for w in works[k]], tensors, mine, where, options.transport)
+        _bucket([w for k in round_ for w in works[k]], tensors, mine, where, options)
         for round_ in rounds
     )
     return ExchangePlan(
@@ -313,7 +315,7 @@ def _replica_group_size(
     chosen = choose_replica_group(
         [t.shape for t in moving.tensors], moving.costs,
         options.team if moving.whole and auto else None, replicas.shards, count,
-        device_profile(like.device.type), _node_size(group), like.element_size(),
+        device_profile(like.device.type, options.profile), _node_size(group), like.element_size(),
         1 if auto else int(options.team_size),
     )  # fmt: skip
     return _agreed(chosen, group)
@@ -326,7 +328,7 @@ def _team_size(moving: _Moving, group: ProcessGroup, options: PlanOptions) -> in
     if options.team_size == "auto":
         size = 1
         if shapes and moving.whole:
-            profile = device_profile(moving.tensors[0].device.type)
+            profile = device_profile(moving.tensors[0].device.type, options.profile)
             size = choose_team_size(shapes, moving.costs, team, world, profile, _node_size(group))
         return _agreed(size, group)
     size = int(options.team_size)
@@ -452,7 +454,7 @@ def _bucket(
     tensors: list[torch.Tensor],
     mine: tuple[Layout, ...],
     where: _Where,
-    transport: str,
+    options: PlanOptions,
 ) -> Bucket:
     """This rank's part of exchanging ``works``: the orders and offsets of its trips.
 
@@ -503,8 +505,10 @@ def _bucket(
     returns = [sum(w.numel for _, w in to) for to in back]
     legs, trips = _legs(works, where, (sends, recv_sizes), (returns, back_sizes))
     like = tensors[works[0].index]
+    transport = options.transport
     if transport == "auto":
-        transport = choose_transport(trips, like.element_size(), device_profile(like.device.type))
+        profile = device_profile(like.device.type, options.profile)
+        transport = choose_transport(trips, like.element_size(), profile)
     return Bucket(
         tuple(map(tuple, send)), tuple(owned), tuple(map(tuple, back)), tuple(land), legs,
         transport, works[0].index,

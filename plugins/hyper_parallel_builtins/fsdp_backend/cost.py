@@ -58,6 +58,7 @@ __all__ = [
     "choose_transport",
     "device_profile",
     "exchange_trips",
+    "named_profile",
     "replica_group_seconds",
     "team_link",
     "team_seconds",
@@ -206,16 +207,24 @@ _CPU_GLOO = DeviceProfile(
 _BUILTIN: dict[str, DeviceProfile] = {"cpu": _CPU_GLOO}
 
 
-def device_profile(device_type: str = "cpu") -> DeviceProfile | None:
-    """The profile the ``auto`` transport uses: ``HYPER_PARALLEL_DEVICE_PROFILE``, else built in.
+def named_profile() -> DeviceProfile | None:
+    """The profile the file ``HYPER_PARALLEL_DEVICE_PROFILE`` names, read now; ``None`` if unset.
+
+    The FSDP backend reads it once, when it is made.
+    """
+    path = os.environ.get(PROFILE_ENV)
+    return DeviceProfile.from_json(path) if path else None
+
+
+def device_profile(
+    device_type: str = "cpu", named: DeviceProfile | None = None
+) -> DeviceProfile | None:
+    """The profile the ``auto`` transport uses: ``named`` (:func:`named_profile`), else built in.
 
     Returns ``None`` for a device type with no built-in profile and no file
     named (``auto`` then takes ``all_to_all``).
     """
-    path = os.environ.get(PROFILE_ENV)
-    if path:
-        return DeviceProfile.from_json(path)
-    return _BUILTIN.get(device_type)
+    return named or _BUILTIN.get(device_type)
 
 
 @dataclass(frozen=True)
