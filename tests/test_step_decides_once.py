@@ -8,6 +8,7 @@ built. Setting one afterwards changes nothing a step does; these tests watch
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -84,3 +85,45 @@ def _check_fsdp(rank: int, world_size: int) -> None:
 
 def test_an_fsdp_muon_adamw_step_at_2_ranks_reads_no_environment() -> None:
     run_distributed(_check_fsdp, world_size=2)
+
+
+def _muon_pair(**options: object) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+    from hyper_parallel import Muon
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(8, 6)), nn.Parameter(torch.randn(6, 6))]
+    return params, Muon(params, lr=0.02, **options)  # type: ignore[arg-type]
+
+
+def _step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    optimizer.step()
+
+
+def test_muon_settings_are_worked_out_once_and_again_when_an_option_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hyper_parallel_builtins.muon import _optimizer
+
+    made: list[object] = []
+    resolve = _optimizer.resolve_settings
+    monkeypatch.setattr(_optimizer, "resolve_settings", lambda *a: made.append(a) or resolve(*a))
+    params, muon = _muon_pair()
+    for seed in range(3):
+        _step(params, muon, seed)
+    assert len(made) == 1  # the first step's; none after
+    muon.param_groups[0]["ns_steps"] = 3  # a user's edit takes effect at the next step
+    _step(params, muon, 3)
+    assert len(made) == 2
+
+    twin_params, twin = _muon_pair(ns_steps=3)
+    with torch.no_grad():
+        for p, q in zip(twin_params, params, strict=True):
+            p.copy_(q)
+    twin.load_state_dict(copy.deepcopy(muon.state_dict()))  # not the live buffers
+    _step(params, muon, 4)
+    _step(twin_params, twin, 4)
+    for p, q in zip(params, twin_params, strict=True):
+        assert torch.equal(p, q)

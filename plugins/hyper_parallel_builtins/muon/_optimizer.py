@@ -35,8 +35,14 @@ from hyper_parallel_builtins.muon._options import (
     check_replica_count,
     follows_torch,
     ns_dtype_from_env,
+    resolve_settings,
 )
-from hyper_parallel_builtins.muon._update import BlockTransform, MuonTeam, momentum_step
+from hyper_parallel_builtins.muon._update import (
+    BlockTransform,
+    MuonSettings,
+    MuonTeam,
+    momentum_step,
+)
 from hyper_parallel_builtins.newton_schulz import (
     CoefficientSpec,
     Workspace,
@@ -66,6 +72,21 @@ _EXTRA_DEFAULTS: Mapping[str, Any] = {
 }
 
 # What Muon keeps beyond torch's Optimizer state: carried by copies and pickles.
+#: The group keys whose values decide a group's :class:`MuonSettings`; a group whose values
+#: change (add_param_group, load_state_dict, a user's edit) gets its settings worked out again.
+_DECIDING_KEYS = (
+    "adjust_lr_fn",
+    "eps",
+    "ns_coefficients",
+    "ns_variant",
+    "ns_steps",
+    "ns_epsilon",
+    "matched_adamw_rms",
+    "zero_rms_scale_mode",
+    "apply_lr_in_update",
+    "ns_dtype",
+)
+
 _INSTANCE_ATTRIBUTES = (
     "head_wise",
     "head_dim",
@@ -275,6 +296,8 @@ class Muon(MatrixOptimizer):
         self.workspace: Workspace | None = Workspace()
         # $HYPER_PARALLEL_NS_DTYPE, read when a group that follows it is added; never at a step
         self.env_ns_dtype: torch.dtype | None = None
+        #: each group's settings (by id), with the deciding values they were worked out from
+        self._settings: dict[int, tuple[tuple[Any, ...], MuonSettings]] = {}
         super().__init__(params, defaults, replica_group_size=self.hsdp_replica_count)
         if head_wise:
             check_head_wise_selects(self.param_groups, head_wise_patterns)
@@ -300,6 +323,7 @@ class Muon(MatrixOptimizer):
         super()._check_group(group)
         if group["ns_dtype"] is None:
             self.env_ns_dtype = ns_dtype_from_env()
+        self._settings.pop(id(group), None)  # worked out again at its next step
         dims = (
             head_wise_dims([group], self.head_dim, self.head_wise_patterns)
             if self.head_wise
@@ -324,6 +348,21 @@ class Muon(MatrixOptimizer):
         state.update({name: self.__dict__[name] for name in _INSTANCE_ATTRIBUTES})
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._settings = {}  # by group id, which a copy does not keep
+
+    def settings(self, group: Mapping[str, Any]) -> MuonSettings:
+        """What ``group``'s options decide, worked out when they last changed (never per step)."""
+        deciding = tuple(group[key] for key in _DECIDING_KEYS)
+        kept = self._settings.get(id(group))
+        if kept is None or kept[0] != deciding:
+            kept = self._settings[id(group)] = (
+                deciding,
+                resolve_settings(group, self.env_ns_dtype),
+            )
+        return kept[1]
+
     def _step_group(self, group: dict[str, Any]) -> None:
         group["step"] = (group.get("step") or 0) + 1
         params, grads, buffers = self._params_with_grads(group)
@@ -331,10 +370,12 @@ class Muon(MatrixOptimizer):
             return
         lr = group["lr"]
         lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
+        settings = self.settings(group)
 
         def updates(positions: list[int], out: list[Tensor] | None = None) -> list[Tensor]:
             return momentum_step(
                 group,
+                settings,
                 [buffers[i] for i in positions],
                 [grads[i] for i in positions],
                 self.momentum_update_fn,
@@ -346,12 +387,12 @@ class Muon(MatrixOptimizer):
         alpha = 1.0 if group["apply_lr_in_update"] else -lr
         transform = BlockTransform(
             group,
+            settings,
             lr,
             _names_of(params, group),
             zeropower_fn=self.zeropower_fn,
             reshape_fn=self.reshape_fn,
             ns_transform_fn=self.ns_transform_fn,
-            env_dtype=self.env_ns_dtype,
             workspace=self.workspace,
         )
         if self._streams(transform, params, group):
@@ -434,7 +475,13 @@ class Muon(MatrixOptimizer):
             needs,
             cost=ns_flops,
             team=(
-                MuonTeam(group, transform.dtype(layouts[0]), transform.lr, self.workspace)
+                MuonTeam(
+                    group,
+                    transform.dtype(layouts[0]),
+                    transform.lr,
+                    self.workspace,
+                    transform.settings,
+                )
                 if standard
                 else None
             ),

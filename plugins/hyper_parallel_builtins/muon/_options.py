@@ -35,6 +35,7 @@ from hyper_parallel.core.compat import cpu_has_native_bf16
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.options import did_you_mean
 from hyper_parallel_builtins.muon._matrices import MATRIX_VIEWS, check_blocks
+from hyper_parallel_builtins.muon._update import MuonSettings, ScaleRule, ns_dtype_of
 from hyper_parallel_builtins.newton_schulz import (
     COEFFICIENT_SETS,
     KELLER_COEFFICIENTS,
@@ -57,10 +58,10 @@ __all__ = [
     "coefficients_of",
     "default_ns_dtype",
     "follows_torch",
-    "momentum_pair",
     "normalization_of",
     "ns_dtype_for",
     "ns_dtype_from_env",
+    "resolve_settings",
     "update_scale",
 ]
 
@@ -110,12 +111,43 @@ def normalization_of(group: Mapping[str, Any]) -> tuple[float, bool]:
     return float(group["ns_epsilon"]), True
 
 
-def momentum_pair(momentum: float | Sequence[float]) -> tuple[float, float]:
-    """``(m1, m2)``: the factor on the buffer in the update, and in the buffer's own step."""
-    if isinstance(momentum, Sequence):
-        first, second = (momentum[0], momentum[0]) if len(momentum) == 1 else momentum
-        return float(first), float(second)
-    return float(momentum), float(momentum)
+def _scale_rule(group: Mapping[str, Any]) -> tuple[ScaleRule, float]:
+    """The group's update scale: HyperParallel's ``matched_adamw_rms * sqrt(max(rows, cols))``
+    (no or a zero rms: 0, or 1 with ``zero_rms_scale_mode="use_lr"``); torch's
+    ``sqrt(max(1, rows / cols))``, or ``0.2 * sqrt(max(rows, cols))`` for
+    ``adjust_lr_fn="match_rms_adamw"``."""
+    rms = group["matched_adamw_rms"]
+    if follows_torch(group):
+        if group["adjust_lr_fn"] == "match_rms_adamw":
+            return ScaleRule.MATCHED_RMS, float(_TORCH_MATCH_RMS if rms is None else rms)
+        return ScaleRule.ASPECT, 0.0
+    if not rms:
+        return (ScaleRule.ONE if group["zero_rms_scale_mode"] == "use_lr" else ScaleRule.ZERO), 0.0
+    return ScaleRule.MATCHED_RMS, float(rms)
+
+
+def resolve_settings(
+    group: Mapping[str, Any], env_dtype: torch.dtype | None = None
+) -> MuonSettings:
+    """What ``group``'s options decide (:class:`MuonSettings`), worked out once.
+
+    ``env_dtype`` is what ``$HYPER_PARALLEL_NS_DTYPE`` named (Muon reads it
+    when the group is added).
+    """
+    eps, eps_added = normalization_of(group)
+    rule, rms = _scale_rule(group)
+    return MuonSettings(
+        torch_momentum=follows_torch(group),
+        coefficients=coefficients_of(group),
+        eps=eps,
+        eps_added=eps_added,
+        scale_rule=rule,
+        rms=rms,
+        lr_in_update=bool(group["apply_lr_in_update"]),
+        group_ns_dtype=group["ns_dtype"],
+        env_ns_dtype=env_dtype,
+        cpu_ns_dtype=torch.bfloat16 if cpu_has_native_bf16() else torch.float32,
+    )
 
 
 def update_scale(rows: int, cols: int, group: Mapping[str, Any], lr: float) -> float:
@@ -125,19 +157,10 @@ def update_scale(rows: int, cols: int, group: Mapping[str, Any], lr: float) -> f
     (or a zero) ``matched_adamw_rms``, 0 (``zero_rms_scale_mode="zero"``) or
     1 (``"use_lr"``). torch: ``sqrt(max(1, rows / cols))``, or
     ``0.2 * sqrt(max(rows, cols))`` for ``adjust_lr_fn="match_rms_adamw"``.
-    With ``apply_lr_in_update`` the factor also carries ``-lr``.
+    With ``apply_lr_in_update`` the factor also carries ``-lr``. (A step
+    uses the group's :class:`MuonSettings`, made once.)
     """
-    rms = group["matched_adamw_rms"]
-    if follows_torch(group):
-        if group["adjust_lr_fn"] == "match_rms_adamw":
-            scale = (_TORCH_MATCH_RMS if rms is None else rms) * math.sqrt(max(rows, cols))
-        else:
-            scale = math.sqrt(max(1.0, rows / cols)) if cols else 1.0
-    elif not rms:
-        scale = 1.0 if group["zero_rms_scale_mode"] == "use_lr" else 0.0
-    else:
-        scale = float(rms) * math.sqrt(max(rows, cols))
-    return -lr * scale if group["apply_lr_in_update"] else scale
+    return resolve_settings(group).scale(rows, cols, lr)
 
 
 #: Environment variable naming the Newton-Schulz dtype of every group with
@@ -169,17 +192,8 @@ def default_ns_dtype(param: Tensor) -> torch.dtype:
 
 
 def ns_dtype_for(param: Tensor, env_dtype: torch.dtype | None) -> torch.dtype:
-    """:func:`default_ns_dtype` with ``$HYPER_PARALLEL_NS_DTYPE`` already read (``env_dtype``).
-
-    Muon reads the variable once, when it is built, and passes what it read here.
-    """
-    if param.dtype == torch.float64:
-        return torch.float64
-    if env_dtype is not None:
-        return env_dtype
-    if param.device.type != "cpu" or cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
+    """:func:`default_ns_dtype` with ``$HYPER_PARALLEL_NS_DTYPE`` already read (``env_dtype``)."""
+    return ns_dtype_of(param, env_dtype, torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
 
 
 def ns_dtype_from_env() -> torch.dtype | None:

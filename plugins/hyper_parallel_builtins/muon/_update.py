@@ -11,7 +11,10 @@ ranks sharing each matrix.
 
 from __future__ import annotations
 
+import enum
+import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -30,15 +33,8 @@ from hyper_parallel_builtins.muon._extensions import (
     check_transform,
 )
 from hyper_parallel_builtins.muon._matrices import batch_dims, matrix_shape, piece_shape
-from hyper_parallel_builtins.muon._options import (
-    coefficients_of,
-    follows_torch,
-    momentum_pair,
-    normalization_of,
-    ns_dtype_for,
-    update_scale,
-)
 from hyper_parallel_builtins.newton_schulz import (
+    Coefficients,
     Workspace,
     new_stack,
     newton_schulz_flops,
@@ -51,7 +47,82 @@ from hyper_parallel_builtins.newton_schulz import (
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["BlockTransform", "MuonTeam", "hyper_parallel_momentum", "momentum_step"]
+__all__ = [
+    "BlockTransform",
+    "MuonSettings",
+    "MuonTeam",
+    "ScaleRule",
+    "hyper_parallel_momentum",
+    "momentum_pair",
+    "momentum_step",
+    "ns_dtype_of",
+]
+
+
+class ScaleRule(enum.Enum):
+    """How a ``(rows, cols)`` matrix's orthogonalized update is scaled (before any lr)."""
+
+    MATCHED_RMS = "matched_rms"  # rms * sqrt(max(rows, cols)): HyperParallel's, or torch's match
+    ASPECT = "aspect"  # sqrt(max(1, rows / cols)): torch's original
+    ONE = "one"  # HyperParallel without an rms, zero_rms_scale_mode="use_lr"
+    ZERO = "zero"  # HyperParallel without an rms, zero_rms_scale_mode="zero"
+
+
+@dataclass(frozen=True)
+class MuonSettings:
+    """What a Muon group's options decide, worked out when the group is added, never at a step.
+
+    ``resolve_settings`` (in ``_options``) makes it from the group's keys; the
+    step reads it as data. What schedulers and users change between steps
+    (``lr``, ``weight_decay``, ``momentum``) is read from the group, live.
+    """
+
+    torch_momentum: bool  # torch's interpolation B <- mu B + (1 - mu) G, else HyperParallel's
+    coefficients: tuple[Coefficients, ...]  # (a, b, c) of each iteration
+    eps: float  # the norm's epsilon: added (HyperParallel's) or a floor (torch's)
+    eps_added: bool
+    scale_rule: ScaleRule
+    rms: float  # the target RMS of MATCHED_RMS
+    lr_in_update: bool  # apply_lr_in_update: the scale carries -lr
+    group_ns_dtype: torch.dtype | None  # the group's ns_dtype
+    env_ns_dtype: torch.dtype | None  # what $HYPER_PARALLEL_NS_DTYPE named when the group was added
+    cpu_ns_dtype: torch.dtype  # a CPU's default: bf16 where it multiplies bf16 natively, else fp32
+
+    def scale(self, rows: int, cols: int, lr: float) -> float:
+        """The factor on a ``(rows, cols)`` matrix's orthogonalized update (a head block: its own)."""
+        if self.scale_rule is ScaleRule.MATCHED_RMS:
+            scale = self.rms * math.sqrt(max(rows, cols))
+        elif self.scale_rule is ScaleRule.ASPECT:
+            scale = math.sqrt(max(1.0, rows / cols)) if cols else 1.0
+        else:
+            scale = 1.0 if self.scale_rule is ScaleRule.ONE else 0.0
+        return -lr * scale if self.lr_in_update else scale
+
+    def dtype_for(self, block: Tensor) -> torch.dtype:
+        """The dtype ``block`` is orthogonalized in: the group's, else :func:`ns_dtype_of`."""
+        if self.group_ns_dtype is not None:
+            return self.group_ns_dtype
+        return ns_dtype_of(block, self.env_ns_dtype, self.cpu_ns_dtype)
+
+
+def ns_dtype_of(
+    param: Tensor, env_dtype: torch.dtype | None, cpu_dtype: torch.dtype
+) -> torch.dtype:
+    """Newton-Schulz's default dtype for ``param``: float64 for float64, else ``env_dtype``,
+    else bfloat16 off the CPU, else ``cpu_dtype``."""
+    if param.dtype == torch.float64:
+        return torch.float64
+    if env_dtype is not None:
+        return env_dtype
+    return torch.bfloat16 if param.device.type != "cpu" else cpu_dtype
+
+
+def momentum_pair(momentum: float | Sequence[float]) -> tuple[float, float]:
+    """``(m1, m2)``: the factor on the buffer in the update, and in the buffer's own step."""
+    if isinstance(momentum, Sequence):
+        first, second = (momentum[0], momentum[0]) if len(momentum) == 1 else momentum
+        return float(first), float(second)
+    return float(momentum), float(momentum)
 
 
 def hyper_parallel_momentum(
@@ -91,6 +162,7 @@ def hyper_parallel_momentum(
 
 def momentum_step(
     group: Mapping[str, Any],
+    settings: MuonSettings,
     buffers: list[Tensor],
     grads: list[Tensor],
     custom: MomentumUpdateFn | None,
@@ -127,7 +199,7 @@ def momentum_step(
                     "its gradient."
                 )
         return [shard_like(u, b) for u, b in zip(made, buffers, strict=True)]
-    if follows_torch(group):
+    if settings.torch_momentum:
         return momentum_updates(buffers, grads, m1, group["nesterov"], out)
     return hyper_parallel_momentum(buffers, grads, m1, m2, group["nesterov"], out)
 
@@ -149,6 +221,7 @@ class BlockTransform:
 
     Args:
         group: The Muon param group.
+        settings: What its options decide (:class:`MuonSettings`).
         lr: Its lr this step (for ``apply_lr_in_update``).
         names: Each block key's param name (keys are positions in the
             step's params); needed only with ``reshape_fn`` /
@@ -162,22 +235,19 @@ class BlockTransform:
     def __init__(
         self,
         group: Mapping[str, Any],
+        settings: MuonSettings,
         lr: float,
         names: Sequence[str | None] = (),
         *,
         zeropower_fn: ZeropowerFn | None = None,
         reshape_fn: ReshapeFn | None = None,
         ns_transform_fn: NSTransformFn | None = None,
-        env_dtype: torch.dtype | None = None,
         workspace: Workspace | None = None,
     ) -> None:
-        self.group, self.lr, self.names = group, lr, names
+        self.group, self.settings, self.lr, self.names = group, settings, lr, names
         self.workspace = workspace
-        self.env_dtype = env_dtype  # what $HYPER_PARALLEL_NS_DTYPE named when Muon was built
         self.zeropower_fn = zeropower_fn
         self.reshape_fn, self.ns_transform_fn = reshape_fn, ns_transform_fn
-        self.coefficients = coefficients_of(group)
-        self.eps, self.eps_added = normalization_of(group)
 
     @property
     def keyed(self) -> bool:
@@ -186,7 +256,7 @@ class BlockTransform:
 
     def dtype(self, block: Tensor) -> torch.dtype:
         """The dtype ``block`` is orthogonalized in."""
-        return cast(torch.dtype, self.group["ns_dtype"]) or ns_dtype_for(block, self.env_dtype)
+        return self.settings.dtype_for(block)
 
     def __call__(self, blocks: list[Tensor]) -> list[Tensor]:
         if not self.keyed:
@@ -275,7 +345,7 @@ class BlockTransform:
             for i, part in zip(indices, stack.split(counts), strict=True):
                 fill(i, part)
             result = self._newton_schulz(stack)
-            scale = update_scale(rows, cols, self.group, self.lr)
+            scale = self.settings.scale(rows, cols, self.lr)
             for i, part in zip(indices, result.split(counts), strict=True):
                 take(i, part, scale)
 
@@ -290,9 +360,9 @@ class BlockTransform:
         if self.zeropower_fn is None:
             return newton_schulz_stack_(
                 stack,
-                self.coefficients,
-                eps=self.eps,
-                eps_added=self.eps_added,
+                self.settings.coefficients,
+                eps=self.settings.eps,
+                eps_added=self.settings.eps_added,
                 method=self.group["ns_method"],
                 workspace=self.workspace,
             )
@@ -355,6 +425,8 @@ class MuonTeam:
         dtype: The Newton-Schulz dtype.
         lr: The group's lr this step (for ``apply_lr_in_update``).
         workspace: Work buffers kept across steps (the optimizer's), or ``None``.
+        settings: What the group's options decide; ``None``: worked out from
+            ``group`` now (Muon passes the ones it keeps).
     """
 
     def __init__(
@@ -363,11 +435,16 @@ class MuonTeam:
         dtype: torch.dtype,
         lr: float = 0.0,
         workspace: Workspace | None = None,
+        settings: MuonSettings | None = None,
     ) -> None:
+        if settings is None:
+            from hyper_parallel_builtins.muon._options import resolve_settings
+
+            settings = resolve_settings(group)
         self.group, self.dtype, self.lr = group, dtype, lr
         self.workspace = workspace
-        self.coefficients = coefficients_of(group)
-        self.eps, self.eps_added = normalization_of(group)
+        self.settings = settings
+        self.coefficients = settings.coefficients
 
     def split_dim(self, shape: torch.Size) -> int | None:
         _, rows, cols = matrix_shape(shape, self.group["matrix_view"])
@@ -394,13 +471,13 @@ class MuonTeam:
             x = piece.reshape(batch, -1, cols) if tall else piece.reshape(batch, rows, -1)
             views.append(x.mT if tall else x)
             talls.append(tall)
-            scales.append(update_scale(rows, cols, self.group, self.lr))
+            scales.append(self.settings.scale(rows, cols, self.lr))
         results = newton_schulz_team(
             views,
             self.coefficients,
             group,
-            eps=self.eps,
-            eps_added=self.eps_added,
+            eps=self.settings.eps,
+            eps_added=self.settings.eps_added,
             dtype=self.dtype,
             workspace=self.workspace,
         )
