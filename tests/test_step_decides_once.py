@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -75,6 +77,44 @@ def test_a_local_muon_adamw_step_reads_no_environment(ns_method: str) -> None:
     model = TinyLM(dim=32, hidden=64)
     optimizer = get_hyper_optimizer(model, muon={"ns_method": ns_method}, adamw={})
     assert _reads_during_a_step(model, optimizer) == []
+
+
+#: The modules that work out what options, coefficients, paths and the machine decide.
+_DECIDING = {
+    "hyper_parallel_builtins/muon/_options.py": "every function",
+    "hyper_parallel_builtins/newton_schulz/_coefficients.py": "every function",
+    "hyper_parallel_builtins/newton_schulz/_paths.py": "every function",
+    "hyper_parallel/core/compat.py": "cpu_kind cpu_has_native_bf16 cpu_kind_of",
+}
+
+
+@pytest.mark.parametrize("ns_method", ["standard", "gram"])
+def test_a_local_muon_adamw_step_decides_nothing_again(ns_method: str) -> None:
+    """After the first step, a step calls nothing that resolves options, paths or capabilities."""
+    torch.manual_seed(0)
+    model = TinyLM(dim=32, hidden=64)
+    optimizer = get_hyper_optimizer(model, muon={"ns_method": ns_method}, adamw={})
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    _steps(model, optimizer, ids, 2)
+    lm_loss(model, ids).backward()
+    called: set[str] = set()
+
+    def watch(frame: types.FrameType, event: str, arg: object) -> None:
+        if event != "call":
+            return
+        where = frame.f_code.co_filename.replace(os.sep, "/")
+        for module, functions in _DECIDING.items():
+            if where.endswith(module) and (
+                functions == "every function" or frame.f_code.co_name in functions.split()
+            ):
+                called.add(f"{module}:{frame.f_code.co_name}")
+
+    sys.setprofile(watch)
+    try:
+        optimizer.step()
+    finally:
+        sys.setprofile(None)
+    assert called == set()
 
 
 def _check_fsdp(rank: int, world_size: int) -> None:

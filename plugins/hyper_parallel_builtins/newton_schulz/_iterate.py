@@ -11,11 +11,9 @@ from torch import Tensor
 from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelValueError
 from hyper_parallel_builtins.newton_schulz._coefficients import Coefficients
 from hyper_parallel_builtins.newton_schulz._paths import (
-    cpu_path,
-    per_matrix,
-    resolve_ns_method,
+    StackPath,
 )
-from hyper_parallel_builtins.newton_schulz._workspace import Workspace
+from hyper_parallel_builtins.newton_schulz._workspace import Workspace, path_of
 
 #: Rows per block when a symmetric product is built from its lower block
 #: triangle (see :func:`_symmetric_product`). On CPU in bf16, blocks of 256
@@ -89,8 +87,12 @@ def _iterate_(
     eps: float,
     eps_added: bool,
     ws: Workspace | None = None,
+    path: StackPath | None = None,
 ) -> Tensor:
     """Run the iteration on ``x`` of shape (batch, rows, cols), ``rows <= cols``.
+
+    ``path`` is the stack's (:func:`~hyper_parallel_builtins.newton_schulz._workspace.path_of`),
+    else decided here.
 
     ``x`` must be a tensor the caller owns: it is normalised in place and
     used as one of the two buffers the iterates alternate between, so the
@@ -110,8 +112,9 @@ def _iterate_(
     x.div_(norm_divisor(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), eps, eps_added))
     batch, rows, _ = x.shape
     spare = buffer_like(ws, "spare", x)
-    path = cpu_path(x.dtype, x.device)
-    if per_matrix(x, path):
+    if path is None:
+        path = path_of(ws, "standard", rows, x.shape[-1], x.dtype, x.device)
+    if path.per_matrix:
         gram = new_buffer(ws, "gram", (rows, rows), x)
         poly = new_buffer(ws, "poly", (rows, rows), x)
         for i in range(batch):
@@ -382,11 +385,7 @@ def new_stack(
     """
     batch, rows, cols = shape
     device = torch.device(device)
-    transposed = (
-        rows > cols
-        and cpu_path(dtype, device).tall_transposed
-        and resolve_ns_method(method, rows, cols, device) == "standard"
-    )
+    transposed = path_of(workspace, method, rows, cols, dtype, device).tall_transposed
     layout = (batch, cols, rows) if transposed else (batch, rows, cols)
     made = (
         torch.empty(layout, dtype=dtype, device=device)
@@ -441,9 +440,12 @@ def newton_schulz_stack_(
     """
     rows, cols = x.shape[-2:]
     tall = rows > cols
-    gram = resolve_ns_method(method, rows, cols, x.device) == "gram"
+    path = path_of(workspace, method, rows, cols, x.dtype, x.device)
     work = x.mT if tall else x
-    result = (_iterate_gram_ if gram else _iterate_)(work, coefficients, eps, eps_added, workspace)
+    if path.gram:
+        result = _iterate_gram_(work, coefficients, eps, eps_added, workspace)
+    else:
+        result = _iterate_(work, coefficients, eps, eps_added, workspace, path)
     return result.mT if tall else result
 
 

@@ -159,3 +159,36 @@ def resolve_ns_method(method: str, rows: int, cols: int, device: torch.device) -
     if device.type == "cpu" and small >= PER_MATRIX_FROM:
         threshold = GRAM_MIN_ASPECT_CPU_LARGE
     return "gram" if max(rows, cols) >= threshold * small else "standard"
+
+
+@dataclass(frozen=True)
+class StackPath:
+    """How a stack of one shape, dtype and device is iterated, decided once (:func:`stack_path`).
+
+    Attributes:
+        gram: Gram Newton-Schulz (:func:`resolve_ns_method`), else the standard iteration.
+        per_matrix: The standard iteration runs matrix by matrix (:func:`per_matrix`).
+        poly_transposed: ``a X + P X`` reads ``P`` transposed (:attr:`CpuPath.poly_transposed`).
+        tall_transposed: A tall stack for the standard iteration is laid out transposed
+            (:attr:`CpuPath.tall_transposed`).
+    """
+
+    gram: bool
+    per_matrix: bool
+    poly_transposed: bool
+    tall_transposed: bool
+
+
+def stack_path(
+    method: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+) -> StackPath:
+    """Every choice :data:`CPU_PATHS` and :func:`resolve_ns_method` make for ``(rows, cols)`` stacks."""
+    device = torch.device(device)
+    standard = resolve_ns_method(method, rows, cols, device) == "standard"
+    path = cpu_path(dtype, device)
+    return StackPath(
+        gram=not standard,
+        per_matrix=path.per_matrix and min(rows, cols) >= PER_MATRIX_FROM,
+        poly_transposed=path.poly_transposed,
+        tall_transposed=rows > cols and path.tall_transposed and standard,
+    )

@@ -18,7 +18,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Workspace"]
+from hyper_parallel_builtins.newton_schulz._paths import StackPath, stack_path
+
+__all__ = ["Workspace", "path_of"]
 
 _Key = tuple[str, tuple[int, ...], torch.dtype, torch.device]
 
@@ -41,6 +43,17 @@ class Workspace:
 
     def __init__(self) -> None:
         self._buffers: dict[_Key, Tensor] = {}
+        self._paths: dict[tuple[str, int, int, torch.dtype, torch.device], StackPath] = {}
+
+    def path(
+        self, method: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+    ) -> StackPath:
+        """:func:`stack_path`, decided the first time a stack of this shape comes, then kept."""
+        key = (method, rows, cols, dtype, device)
+        held = self._paths.get(key)
+        if held is None:
+            held = self._paths[key] = stack_path(method, rows, cols, dtype, device)
+        return held
 
     def take(
         self, role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device
@@ -73,6 +86,7 @@ class Workspace:
     def clear(self) -> None:
         """Give every buffer back (they are made again when next needed)."""
         self._buffers.clear()
+        self._paths.clear()
 
     def __repr__(self) -> str:
         return f"Workspace({len(self)} buffers, {self.nbytes / 2**20:.1f} MiB)"
@@ -82,3 +96,17 @@ class Workspace:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__()  # type: ignore[misc]
+
+
+def path_of(
+    workspace: Workspace | None,
+    method: str,
+    rows: int,
+    cols: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> StackPath:
+    """The workspace's kept :class:`StackPath`, else one decided now."""
+    if workspace is None:
+        return stack_path(method, rows, cols, dtype, device)
+    return workspace.path(method, rows, cols, dtype, device)
