@@ -21,7 +21,7 @@ from hyper_parallel.core.distributed.toolkit import Reducer
 if TYPE_CHECKING:
     from hyper_parallel.core.distributed._clip_grad import clip_grad_norm_
     from hyper_parallel.core.distributed._fsdp import fully_shard, set_gradient_scaling_factor
-    from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh
+    from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh, ranks_per_node
 
 # Imported on first use: they need torch.distributed.tensor and FSDP, which a
 # process that only lists plugins or trains on one device never loads.
@@ -31,6 +31,7 @@ LAZY: dict[str, str] = {
     "set_gradient_scaling_factor": "hyper_parallel.core.distributed._fsdp",
     "hsdp_mesh": "hyper_parallel.core.distributed._mesh",
     "init_device_mesh": "hyper_parallel.core.distributed._mesh",
+    "ranks_per_node": "hyper_parallel.core.distributed._mesh",
 }
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "fully_shard",
     "hsdp_mesh",
     "init_device_mesh",
+    "ranks_per_node",
     "resolve_backend",
     "set_gradient_scaling_factor",
 ]

@@ -34,6 +34,7 @@ __all__ = [
     "hsdp_mesh",
     "hsdp_mesh_shape",
     "init_device_mesh",
+    "ranks_per_node",
     "resolve_device_type",
 ]
 
@@ -296,7 +297,7 @@ def hsdp_mesh_shape() -> tuple[int, int]:
             "initialized process group; launch with `torchrun --nnodes N --nproc_per_node P`."
         )
     world = dist.get_world_size() if initialized else int(env_world or 1)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    per_node = ranks_per_node(world)
     if per_node < 1 or world % per_node:
         raise HyperParallelValueError(
             f"the world size {world} is not a whole number of nodes of LOCAL_WORLD_SIZE="
@@ -304,6 +305,11 @@ def hsdp_mesh_shape() -> tuple[int, int]:
             "a mesh of your own."
         )
     return world // per_node, per_node
+
+
+def ranks_per_node(world: int) -> int:
+    """The processes on each node: torchrun's ``LOCAL_WORLD_SIZE``, else all ``world`` (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or world)
 
 
 def hsdp_mesh(device_type: str = "auto") -> DeviceMesh:

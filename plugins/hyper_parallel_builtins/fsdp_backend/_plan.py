@@ -20,6 +20,7 @@ from hyper_parallel.core.distributed import (
     RowBlocks,
     TeamTransform,
     WholeMatrices,
+    ranks_per_node,
 )
 from hyper_parallel.core.distributed.toolkit import (
     DEFAULT_BUCKET_BYTES,
@@ -357,7 +358,7 @@ def _team_size(moving: _Moving, group: ProcessGroup, options: PlanOptions) -> in
 def _node_size(group: ProcessGroup) -> int:
     """The most consecutive ranks of ``group`` that always share a node (``LOCAL_WORLD_SIZE``)."""
     ranks = dist.get_process_group_ranks(group)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
+    local = ranks_per_node(dist.get_world_size())
 
     def one_node_each(n: int) -> bool:
         return all(
