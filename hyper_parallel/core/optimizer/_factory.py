@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any, Literal, overload
 
 import torch
@@ -18,7 +18,12 @@ from hyper_parallel.core.errors import (
 )
 from hyper_parallel.core.optimizer._chained import ChainedOptimizer
 from hyper_parallel.core.optimizer._main_params import MainParams
-from hyper_parallel.core.optimizer._request import Request, as_groups, parse_request
+from hyper_parallel.core.optimizer._request import (
+    OptimizerSpec,
+    Request,
+    as_groups,
+    parse_request,
+)
 from hyper_parallel.core.optimizer._swap import SwapOptimizer, SwapOptimizerConfig
 from hyper_parallel.core.options import (
     accepted_keywords,
@@ -29,7 +34,6 @@ from hyper_parallel.core.options import (
 from hyper_parallel.core.plugin import (
     OptimizerEntry,
     PluginKind,
-    RegistryEntry,
     get_registry,
 )
 
@@ -37,17 +41,6 @@ __all__ = ["get_hyper_optimizer"]
 
 #: Where params with fewer than two dims go when a matrix-only optimizer (Muon) is given them.
 FALLBACK_OPTIMIZER = "adamw"
-
-
-@dataclass
-class _Spec:
-    """One optimizer to build: its registry entry, groups and keyword arguments."""
-
-    name: str
-    entry: RegistryEntry
-    groups: list[dict[str, Any]] = field(default_factory=list)
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    params_given: bool = False
 
 
 @overload
@@ -187,17 +180,19 @@ def get_hyper_optimizer(
         },
         prefixed_kwargs,
     )  # fmt: skip
-    plan = _Plan(model, request)
-    plan.settle()
-    plan.pass_sharding(sharding)
-    mains = plan.main_copies() if fp32_main_params else None
-    chain = ChainedOptimizer(plan.build(), param_names=model.named_parameters(), main_params=mains)
+    builder = _ChainBuilder(model, request)
+    builder.settle()
+    builder.pass_sharding(sharding)
+    mains = builder.main_copies() if fp32_main_params else None
+    chain = ChainedOptimizer(
+        builder.build(), param_names=model.named_parameters(), main_params=mains
+    )
     if swap_optimizer is None or swap_optimizer is False:
         return chain
     return SwapOptimizer(chain, None if swap_optimizer is True else swap_optimizer)
 
 
-class _Plan:
+class _ChainBuilder:
     """The optimizers get_hyper_optimizer() builds, with each one's groups and options.
 
     Filled from the arguments (or a partitioner), then settled: sharded
@@ -209,19 +204,19 @@ class _Plan:
     def __init__(self, model: nn.Module, request: Request) -> None:
         self.model = model
         self.names: dict[int, str] = {}
-        self.specs: dict[str, _Spec] = {
-            r.name: _Spec(r.name, r.entry, r.groups or [], dict(r.kwargs), r.groups is not None)
-            for r in request.optimizers
+        # Copies of the request's specs (their options are filled in here).
+        self.specs: dict[str, OptimizerSpec] = {
+            spec.name: replace(spec, kwargs=dict(spec.kwargs)) for spec in request.optimizers
         }
         if request.partitioner is not None:
             self.partition(request.partitioner, request.partitioner_kwargs)
 
     # -- filling ------------------------------------------------------------------
 
-    def add(self, name: str) -> _Spec:
+    def add(self, name: str) -> OptimizerSpec:
         """An optimizer a partitioner fills that the call did not name."""
         entry = get_registry().get(PluginKind.OPTIMIZER, name)
-        self.specs[entry.name] = _Spec(name=entry.name, entry=entry)
+        self.specs[entry.name] = OptimizerSpec(name=entry.name, entry=entry)
         return self.specs[entry.name]
 
     def partition(self, name: str, options: Mapping[str, Any]) -> None:

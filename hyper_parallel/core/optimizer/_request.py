@@ -26,8 +26,8 @@ __all__ = [
     "DEFAULT_PARTITIONER",
     "FAMILY_PARTITIONER",
     "GUIDE_ARGUMENTS",
+    "OptimizerSpec",
     "Request",
-    "Requested",
     "as_groups",
     "parse_request",
 ]
@@ -55,24 +55,31 @@ GUIDE_ARGUMENTS: tuple[str, ...] = (
 
 
 @dataclass
-class Requested:
-    """One optimizer the call asks for: its entry, groups (``None``: a partitioner's) and options."""
+class OptimizerSpec:
+    """One optimizer to build: its registry entry, param groups and keyword arguments.
+
+    The request holds one per optimizer the call names; the factory adds the
+    ones a partitioner fills and the fallback for vectors. ``params_given``
+    says whether its groups are set (by the call or a partitioner); until
+    then ``groups`` is empty.
+    """
 
     name: str
     entry: RegistryEntry
-    groups: list[dict[str, Any]] | None
+    groups: list[dict[str, Any]] = field(default_factory=list)
     kwargs: dict[str, Any] = field(default_factory=dict)
+    params_given: bool = False
 
 
 @dataclass(frozen=True)
 class Request:
     """A call to ``get_hyper_optimizer()``, parsed: the factory reads nothing else.
 
-    ``optimizers`` are in the call's order; with a ``partitioner`` their
-    groups are ``None`` until it fills them (and it may add optimizers).
+    ``optimizers`` are in the call's order; with a ``partitioner`` none has
+    its params given until it fills them (and it may add optimizers).
     """
 
-    optimizers: tuple[Requested, ...]
+    optimizers: tuple[OptimizerSpec, ...]
     partitioner: str | None = None
     partitioner_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
@@ -125,20 +132,21 @@ def parse_request(given: Mapping[str, Any], prefixed: Mapping[str, Any]) -> Requ
     return Request(tuple(requested.values()), *_partitioner(given, requested))
 
 
-class _Collected(dict[str, Requested]):
+class _Collected(dict[str, OptimizerSpec]):
     """The optimizers requested so far, by registered name, each configured once."""
 
     def add(
         self, name: str, params: Any, kwargs: Mapping[str, Any] | None, where: str
-    ) -> Requested:
+    ) -> OptimizerSpec:
         entry = get_registry().get(PluginKind.OPTIMIZER, name)
         if entry.name in self:
             raise HyperParallelValueError(
                 f"Optimizer {entry.name!r} is configured twice ({where} and an earlier argument); "
                 "configure each optimizer once."
             )
-        groups = as_groups(params, where) if params is not None else None
-        self[entry.name] = Requested(entry.name, entry, groups, dict(kwargs or {}))
+        given = params is not None
+        groups = as_groups(params, where) if given else []
+        self[entry.name] = OptimizerSpec(entry.name, entry, groups, dict(kwargs or {}), given)
         return self[entry.name]
 
     def add_prefixed(self, prefixed: Mapping[str, Any]) -> None:
@@ -154,10 +162,10 @@ class _Collected(dict[str, Requested]):
 
 
 def _partitioner(
-    given: Mapping[str, Any], requested: Mapping[str, Requested]
+    given: Mapping[str, Any], requested: Mapping[str, OptimizerSpec]
 ) -> tuple[str | None, dict[str, Any]]:
     """The partitioner that fills the groups (``None``: the params were given), and its options."""
-    any_given = any(r.groups is not None for r in requested.values())
+    any_given = any(r.params_given for r in requested.values())
     partitioner, options = given.get("partitioner"), given.get("partitioner_kwargs")
     if partitioner is not None and any_given:
         raise HyperParallelValueError(
