@@ -43,6 +43,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import ROOT, Row, Settings, case_command
+from benchmarks.peers import use_peer_dir
+
 __all__ = ["case_checkpoint", "checkpoint_model", "load_peaks"]
 
 _CHUNK = 8 << 20
@@ -92,7 +95,6 @@ def _crc32c_by_chunks(path: Path) -> int:
 
 def _checksummers() -> dict[str, Callable[[Path], Any] | str]:
     """Each algorithm's checksum of one file, by name, or why it cannot be measured."""
-    from benchmarks.peers import use_peer_dir
     from hyper_parallel.checkpoint._integrity import digest_file
 
     use_peer_dir()
@@ -109,16 +111,15 @@ def _checksummers() -> dict[str, Callable[[Path], Any] | str]:
     return found
 
 
-def case_checkpoint(settings: Any) -> Iterator[Any]:
+def case_checkpoint(settings: Settings) -> Iterator[Row]:
     """Checksum algorithms, the training stall of a sync and an async save, the checksums' share."""
-    from benchmarks.suite import Row, _command
     from hyper_parallel import checkpoint
     from hyper_parallel.checkpoint._integrity import checksum_share
 
     params = settings.checkpoint_params
     model, optimizer = checkpoint_model(params)
     count = sum(p.numel() for p in model.parameters())
-    command = _command("checkpoint", settings)
+    command = case_command("checkpoint", settings)
     with tempfile.TemporaryDirectory(prefix="hp-bench-ckpt-") as scratch:
         root = Path(scratch)
         managers = {mode: checkpoint.CheckpointManager(root / mode, keep_last=1,
@@ -214,10 +215,8 @@ def _check_against_step(saved: dict[str, Any], optimizer: Any, repeats: int) -> 
     return statistics.median(times["check"]), statistics.median(times["step"])
 
 
-def _load_memory_rows(what: str, ckpt: Path, size: int, params: int, command: str) -> Iterator[Any]:
+def _load_memory_rows(what: str, ckpt: Path, size: int, params: int, command: str) -> Iterator[Row]:
     """Peak extra memory of a load, from a fresh process: against the size, and in place."""
-    from benchmarks.suite import Row
-
     case = f"{what}: peak extra memory of a load"
     code = (
         "import json, sys; from benchmarks.checkpoint import load_peaks; "
@@ -225,7 +224,7 @@ def _load_memory_rows(what: str, ckpt: Path, size: int, params: int, command: st
     )
     found = subprocess.run(
         [sys.executable, "-c", code, str(ckpt), str(params)],
-        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     peaks: dict[str, Any] = {}
     note = ""
@@ -335,9 +334,7 @@ def load_peaks(path: str, params: int) -> dict[str, Any]:
     }
 
 
-def _algorithm_rows(files: list[Path], size: int, repeats: int, command: str) -> Iterator[Any]:
-    from benchmarks.suite import Row
-
+def _algorithm_rows(files: list[Path], size: int, repeats: int, command: str) -> Iterator[Row]:
     algorithms = _checksummers()
     runs = {name: a for name, a in algorithms.items() if not isinstance(a, str)}
     times: dict[str, list[float]] = {name: [] for name in runs}

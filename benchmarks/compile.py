@@ -17,10 +17,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
+
+from benchmarks.common import Row, Settings, case_command
 
 __all__ = ["case_compile", "step_seconds"]
 
@@ -60,9 +61,7 @@ def step_seconds(*, compiled: bool, steps: int) -> list[float]:
     return seconds
 
 
-def case_compile(settings: Any) -> Iterator[Any]:
-    from benchmarks.suite import Row, _command
-
+def case_compile(settings: Settings) -> Iterator[Row]:
     steps = _FIRST + (10 if settings.quick_flag else 30)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -77,11 +76,11 @@ def case_compile(settings: Any) -> Iterator[Any]:
         "compiled", statistics.median(compiled[_FIRST:]),
         "eager", statistics.median(eager[_FIRST:]), "s", "<= 1.05",
         f"median of {steps - _FIRST} steps after the first {_FIRST}, 1 thread",
-        _command("compile", settings),
+        case_command("compile", settings),
     )  # fmt: skip
     yield Row(
         f"torch.compile(optimizer.step), first {_FIRST} steps ({shape})",
         "compiled (tracing, compiling)", sum(compiled[:_FIRST]),
         "eager", sum(eager[:_FIRST]), "s", "",
-        "once per process; no recompile after them", _command("compile", settings),
+        "once per process; no recompile after them", case_command("compile", settings),
     )  # fmt: skip

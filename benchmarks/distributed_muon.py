@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.suite import transformer_shapes
+from benchmarks.common import transformer_shapes
 from hyper_parallel import hookimpl
 from hyper_parallel.core.distributed import BlocksFn, Need, ShardingBackend
 from hyper_parallel.core.distributed.toolkit import Layout, is_dtensor, join_blocks, split_blocks

@@ -22,9 +22,16 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
+
+from benchmarks.common import (
+    Row,
+    Settings,
+    case_command,
+    interleaved_medians,
+    transformer_shapes,
+)
 
 __all__ = ["case_paths"]
 
@@ -52,8 +59,7 @@ def _runner(
     return run
 
 
-def case_paths(settings: Any) -> Iterator[Any]:
-    from benchmarks.suite import Row, _command, _interleaved_medians, transformer_shapes
+def case_paths(settings: Settings) -> Iterator[Row]:
     from hyper_parallel.core.compat import cpu_kind
     from hyper_parallel_builtins.muon import default_ns_dtype
     from hyper_parallel_builtins.newton_schulz import cpu_path
@@ -71,7 +77,7 @@ def case_paths(settings: Any) -> Iterator[Any]:
         }
         names = {key: f"{'per matrix' if key[0] else 'batched'}, "
                       f"{'P^T @ X' if key[1] else 'P @ X'}" for key in runs}  # fmt: skip
-        medians, _ = _interleaved_medians(
+        medians, _ = interleaved_medians(
             {names[k]: run for k, run in runs.items()}, settings.repeats, "cpu"
         )
         chosen = cpu_path(dtype, torch.device("cpu"))
@@ -83,4 +89,4 @@ def case_paths(settings: Any) -> Iterator[Any]:
                 continue
             note = f"the path chosen for {kind}" if key == picked else ""
             yield Row(what, name, medians[name], base, medians[base], "s", "", note,
-                      _command("paths", settings, f"--dims {dim}"))  # fmt: skip
+                      case_command("paths", settings, f"--dims {dim}"))  # fmt: skip

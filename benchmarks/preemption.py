@@ -25,7 +25,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+
+from benchmarks.common import Row, Settings, case_command
 
 __all__ = ["case_preemption", "exit_after_commit"]
 
@@ -54,9 +55,7 @@ def exit_after_commit(*, preempt: bool) -> float:
     return ended - committed
 
 
-def case_preemption(settings: Any) -> Iterator[Any]:
-    from benchmarks.suite import Row, _command
-
+def case_preemption(settings: Settings) -> Iterator[Row]:
     repeats = 1 if settings.quick_flag else 3
     stopped = [exit_after_commit(preempt=True) for _ in range(repeats)]
     finished = [exit_after_commit(preempt=False) for _ in range(repeats)]
@@ -65,5 +64,5 @@ def case_preemption(settings: Any) -> Iterator[Any]:
         "SIGTERM: summary, then exit", statistics.median(stopped),
         "a finished run: plot, summary, shutdown", statistics.median(finished), "s",
         note=f"median of {repeats} runs, each a process of its own",
-        command=_command("preemption", settings),
+        command=case_command("preemption", settings),
     )  # fmt: skip

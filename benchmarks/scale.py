@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import transformer_shapes
+from benchmarks.distributed_muon import step_seconds
 from hyper_parallel_builtins.fsdp_backend.cost import (
     TRANSPORTS,
     DeviceProfile,
@@ -550,8 +552,6 @@ REPEATS = 7
 
 def fastest_seconds(step: Callable[[], object], repeats: int = REPEATS) -> float:
     """The fastest of ``repeats`` calls of ``step`` after a warm-up, each between barriers."""
-    from benchmarks.distributed_muon import step_seconds
-
     return min(step_seconds(step, repeats))
 
 
@@ -861,7 +861,6 @@ def _validate_worker(
     """
     import torch.distributed as dist
 
-    from benchmarks.suite import transformer_shapes
     from hyper_parallel_builtins.muon import Muon
 
     records = []
@@ -897,8 +896,6 @@ def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int, int, int]],
     of 2. ``ns_dtype``: Muon's Newton-Schulz dtype (default: Muon's default
     here). Each row's ``"mesh"`` says where it ran.
     """
-    from benchmarks.suite import transformer_shapes
-
     ns_dtype = ns_dtype or _default_ns_dtype()
     args = ([list(c) for c in cases], str(ns_dtype).removeprefix("torch."))
     if two_nodes:

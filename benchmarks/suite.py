@@ -32,80 +32,35 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.checkpoint import case_checkpoint
+from benchmarks.common import (
+    FIGURE_BUDGET_S,
+    ROOT,
+    Row,
+    Settings,
+    case_command,
+    interleaved_medians,
+    sync,
+    transformer_shapes,
+)
 from benchmarks.compile import case_compile
 from benchmarks.ns_paths import case_paths
 from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
 from benchmarks.preemption import case_preemption
 from benchmarks.swap import case_swap
 
-__all__ = ["CASES", "Row", "expert_shapes", "main", "plot_label", "transformer_shapes"]
+__all__ = ["CASES", "expert_shapes", "main", "plot_label"]
 
-ROOT = Path(__file__).resolve().parent.parent
 LR = 0.02
 
 
-@dataclass
-class Row:
-    """One comparison: our figure against one peer's, from the same run."""
-
-    case: str
-    ours_label: str
-    ours: float | None
-    peer_label: str
-    peer: float | None
-    unit: str  # "s" (lower is better) or "GFLOP/s" (higher is better)
-    target: str = ""  # e.g. "<= 1.0": the ratio ours / peer the project aims at
-    note: str = ""
-    command: str = ""
-
-    @property
-    def ratio(self) -> float | None:
-        if self.ours is None or self.peer is None or self.peer == 0:
-            return None
-        return self.ours / self.peer
-
-    @property
-    def met(self) -> bool | None:
-        if not self.target or self.ratio is None:
-            return None
-        op, bound = self.target.split()
-        return self.ratio <= float(bound) if op == "<=" else self.ratio >= float(bound)
-
-
-@dataclass
-class Settings:
-    dims: tuple[int, ...] = (512, 1024)
-    layers: int = 8
-    repeats: int = 5
-    device: str = "cpu"
-    peers: bool = True
-    muon_peer_names: tuple[str, ...] = MUON_PEER_NAMES
-    dist_dims: tuple[int, ...] = (256, 512)
-    dist_layers: int = 4
-    dist_tp_dim: int = 256  # FSDP x TP rows: 4 processes, so smaller
-    dist_tp_layers: int = 2
-    checkpoint_params: int = 100_000_000
-    quick_flag: str = ""
-    extra: dict[str, str] = field(default_factory=dict)
-
-
 # ---------------------------------------------------------------- helpers
-
-
-def transformer_shapes(dim: int, layers: int) -> list[tuple[int, int]]:
-    """The matrices of ``layers`` pre-norm blocks: q, k, v, o and a SwiGLU MLP.
-
-    The MLP width is ``8 d / 3`` rounded up to a multiple of 32 (1376 at d=512).
-    """
-    hidden = -(-8 * dim // 3 // 32) * 32
-    return [(dim, dim)] * 4 * layers + [(hidden, dim), (hidden, dim), (dim, hidden)] * layers
 
 
 def _params(
@@ -176,51 +131,6 @@ def _workspace_bytes(step: Callable[[], object]) -> int:
     return workspace.nbytes if workspace is not None else 0
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-#: Seconds of timed calls one step may take per figure: a slower step is timed fewer
-#: times, and one whose first call alone took longer is not run again (its first call
-#: is its figure). Peers' bf16 Newton-Schulz on a CPU without native bf16 takes minutes.
-FIGURE_BUDGET_S = 120.0
-
-
-def _interleaved_medians(
-    steps: dict[str, Callable[[], object]], repeats: int, device: str
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Median seconds of each step, timed in turns so that load changes hit all alike.
-
-    Each step is timed ``repeats`` times, or as often as
-    :data:`FIGURE_BUDGET_S` allows it (see there). Returns the medians and
-    each step's first (warm-up) call time.
-    """
-    first: dict[str, float] = {}
-    for name, step in steps.items():
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        first[name] = time.perf_counter() - start
-    times: dict[str, list[float]] = {
-        name: [t] if t > FIGURE_BUDGET_S else [] for name, t in first.items()
-    }
-    quota = {name: min(repeats, max(1, int(FIGURE_BUDGET_S / t))) for name, t in first.items()}
-    order = [name for name in steps if not times[name]]
-    for repeat in range(repeats):
-        # forward, then backward: whichever runs after another finds its caches warm
-        for name in order if repeat % 2 == 0 else reversed(order):
-            if len(times[name]) == quota[name]:
-                continue
-            step = steps[name]
-            _sync(device)
-            start = time.perf_counter()
-            step()
-            _sync(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}, first
-
-
 def _projected_step_seconds(
     make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
     shapes: Sequence[tuple[int, int]],
@@ -241,10 +151,10 @@ def _projected_step_seconds(
         params = _params([shape], device)
         step = _stepper(make(params), params)
         step()
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         step()
-        _sync(device)
+        sync(device)
         total += count * (time.perf_counter() - start)
     return total
 
@@ -252,13 +162,6 @@ def _projected_step_seconds(
 def _short_repeats(settings: Settings) -> int:
     """Repeats for a millisecond-scale step: enough that a 3% difference stands out of the noise."""
     return max(25 * settings.repeats, 40)
-
-
-def _command(cases: str, settings: Settings, *extra: str) -> str:
-    parts = ["python -m benchmarks", f"--cases {cases}", *extra]
-    if settings.quick_flag:
-        parts.append(settings.quick_flag)
-    return " ".join(parts)
 
 
 # ---------------------------------------------------------------- cases
@@ -315,9 +218,9 @@ def case_muon(settings: Settings) -> Iterator[Row]:
                 steps[name] = _stepper(make(params), params)
             except Exception as exc:  # reported in the table
                 failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
-        medians, first = _interleaved_medians(steps, settings.repeats, device)
+        medians, first = interleaved_medians(steps, settings.repeats, device)
         medians.update(projected)
-        command = _command("muon", settings, f"--dims {settings.dims[0]}" if "expert" in what
+        command = case_command("muon", settings, f"--dims {settings.dims[0]}" if "expert" in what
                            else f"--dims {what.split('d=')[1].split(')')[0]}")  # fmt: skip
         if settings.muon_peer_names != MUON_PEER_NAMES:
             command += f" --muon-peers {','.join(settings.muon_peer_names)}"
@@ -443,7 +346,7 @@ def _products_seconds(count: int, small: int, large: int, dtype: torch.dtype, de
         torch.bmm(a, a, out=gram_out)
         torch.bmm(a, x, out=x_out)
 
-    return _interleaved_medians({"mm": products}, 3, device)[0]["mm"]
+    return interleaved_medians({"mm": products}, 3, device)[0]["mm"]
 
 
 def case_gram(settings: Settings) -> Iterator[Row]:
@@ -468,14 +371,14 @@ def case_gram(settings: Settings) -> Iterator[Row]:
                 )
                 for method in ("gram", "standard")
             }
-            medians, _ = _interleaved_medians(steps, settings.repeats, settings.device)
+            medians, _ = interleaved_medians(steps, settings.repeats, settings.device)
             name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
             yield Row(
                 f"Newton-Schulz, {len(shapes)} {kind} matrices {shapes[0][0]} x {shapes[0][1]} "
                 f"(aspect {aspect}), {name}, {settings.device}",
                 "ns_method='gram'", medians["gram"], "ns_method='standard'",
                 medians["standard"], "s", "<= 0.85" if aspect == 4.0 else "", "",
-                _command("gram", settings, f"--dims {dim}"),
+                case_command("gram", settings, f"--dims {dim}"),
             )  # fmt: skip
             del matrices
             gc.collect()
@@ -559,13 +462,13 @@ def _ns_rows(
                     torch.mm(a, a, out=gram_out)
                     torch.mm(a, x, out=x_out)
 
-        medians, _ = _interleaved_medians({"ours": ours, "mm": mm_only}, settings.repeats, device)
+        medians, _ = interleaved_medians({"ours": ours, "mm": mm_only}, settings.repeats, device)
         name = "fp32" if dtype == torch.float32 else "bf16"
         yield Row(
             f"Newton-Schulz FLOP/s, d={dim} x {settings.layers} layers' matrices, {name}, {device}",
             "ours (newton_schulz_batched)", done / medians["ours"] / 1e9,
             "torch.mm on the same shapes", flops / medians["mm"] / 1e9, "GFLOP/s",
-            ">= 0.85", note, _command("ns", settings, f"--dims {dim}"),
+            ">= 0.85", note, case_command("ns", settings, f"--dims {dim}"),
         )  # fmt: skip
 
 
@@ -585,12 +488,12 @@ def case_adamw(settings: Settings) -> Iterator[Row]:
     ours = AdamW(params, lr=1e-3)
     fused = torch.optim.AdamW(params, lr=1e-3, fused=True)
     foreach = torch.optim.AdamW(params, lr=1e-3, foreach=True)
-    medians, _ = _interleaved_medians(
+    medians, _ = interleaved_medians(
         {"ours": ours.step, "fused": fused.step, "foreach": foreach.step},
         _short_repeats(settings), device,
     )  # fmt: skip
     what = f"AdamW step, {len(shapes)} tensors (d={dim} x {settings.layers} layers), {device}"
-    command = _command("adamw", settings)
+    command = case_command("adamw", settings)
     yield Row(what, "ours (AdamW)", medians["ours"], "torch AdamW fused", medians["fused"], "s",
               "<= 1.05", "", command)  # fmt: skip
     yield Row(what, "ours (AdamW)", medians["ours"], "torch AdamW foreach", medians["foreach"],
@@ -616,7 +519,7 @@ def case_chained(settings: Settings) -> Iterator[Row]:
         for opt in parts:
             opt.step()
 
-    medians, _ = _interleaved_medians(
+    medians, _ = interleaved_medians(
         {"chained": chained.step, "direct": step_directly}, _short_repeats(settings), device
     )
     yield Row(
@@ -624,7 +527,7 @@ def case_chained(settings: Settings) -> Iterator[Row]:
         "ChainedOptimizer.step", medians["chained"], "the two steps called directly",
         medians["direct"], "s", "<= 1.03",
         f"overhead {1e6 * (medians['chained'] - medians['direct']):+.0f} us per step",
-        _command("chained", settings),
+        case_command("chained", settings),
     )  # fmt: skip
 
 
@@ -712,12 +615,12 @@ def case_import(settings: Settings) -> Iterator[Row]:
     yield Row(
         "New process: the guide's import", "from hyper_parallel.core.optimizer import ...",
         statistics.median(guide), "import torch", baseline, "s", "<= 1.15",
-        f"median of {runs} processes each", _command("import", settings),
+        f"median of {runs} processes each", case_command("import", settings),
     )  # fmt: skip
     yield Row(
         "New process: import and list every plugin", "import hyper_parallel + list plugins",
         statistics.median(ours), "import torch", baseline, "s", "<= 1.15",
-        f"median of {runs} processes each", _command("import", settings),
+        f"median of {runs} processes each", case_command("import", settings),
     )  # fmt: skip
 
 

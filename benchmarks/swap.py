@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import Row, Settings, case_command
+
 __all__ = ["case_swap", "measure"]
 
 _ROWS, _COLS = 1024, 2048
@@ -80,14 +82,12 @@ def _in_process_of_its_own(matrices: int, swap_times: int, repeats: int) -> dict
     return result
 
 
-def case_swap(settings: Any) -> Iterator[Any]:
-    from benchmarks.suite import Row, _command
-
+def case_swap(settings: Settings) -> Iterator[Row]:
     matrices = 72 if not settings.quick_flag else 4
     repeats = max(settings.repeats, 3)
     state_gib = (matrices // 9 * 4 + (matrices - matrices // 9) * 8) * _ROWS * _COLS / 2**30
     plain = _in_process_of_its_own(matrices, 0, repeats)
-    command = _command("swap", settings)
+    command = case_command("swap", settings)
     what = f"swap: Muon + AdamW state {state_gib:.2f} GiB"
     for swap_times in (4, 16):
         swapped = _in_process_of_its_own(matrices, swap_times, repeats)

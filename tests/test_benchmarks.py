@@ -1,24 +1,23 @@
-"""The benchmark entry point runs and prints its table (figures are never asserted)."""
+"""The benchmark entry point runs and prints its table (figures are never asserted); the
+benchmark modules import each other without a circle."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.suite import (
-    Row,
-    Settings,
-    case_distributed,
-    format_table,
-    not_measured_line,
-    plot_label,
-    transformer_shapes,
-)
+import benchmarks.common as common
+import benchmarks.suite as suite
+from benchmarks.checkpoint import case_checkpoint
+from benchmarks.common import Row, Settings, transformer_shapes
+from benchmarks.suite import case_distributed, format_table, not_measured_line, plot_label
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -150,9 +149,7 @@ def test_plot_labels_tell_sizes_and_dtypes_apart() -> None:
 def test_a_step_slower_than_the_figure_budget_is_timed_fewer_times(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import benchmarks.suite as suite
-
-    monkeypatch.setattr(suite, "FIGURE_BUDGET_S", 10.0)
+    monkeypatch.setattr(common, "FIGURE_BUDGET_S", 10.0)
     seconds = {"fast": 1.0, "mid": 4.0, "slow": 11.0}  # each call's duration, by a fake clock
     clock = [0.0]
     calls = dict.fromkeys(seconds, 0)
@@ -161,17 +158,15 @@ def test_a_step_slower_than_the_figure_budget_is_timed_fewer_times(
         calls[name] += 1
         clock[0] += seconds[name]
 
-    monkeypatch.setattr(suite.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     steps = {name: (lambda n=name: step(n)) for name in seconds}
-    medians, first = suite._interleaved_medians(steps, 5, "cpu")
+    medians, first = common.interleaved_medians(steps, 5, "cpu")
     # warm-up, then: 5 repeats; 10 s / 4 s = 2; the slow one's first call is its figure
     assert calls == {"fast": 6, "mid": 3, "slow": 1}
     assert medians == seconds and first == seconds
 
 
 def test_a_peer_step_is_projected_from_one_step_per_shape(monkeypatch: pytest.MonkeyPatch) -> None:
-    import benchmarks.suite as suite
-
     clock = [0.0]
     steps_by_shape: dict[tuple[int, ...], int] = {}
 
@@ -185,7 +180,7 @@ def test_a_peer_step_is_projected_from_one_step_per_shape(monkeypatch: pytest.Mo
                     steps_by_shape[tuple(p.shape)] = steps_by_shape.get(tuple(p.shape), 0) + 1
                     clock[0] += p.numel() / 100  # seconds proportional to the matrix's size
 
-    monkeypatch.setattr(suite.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     shapes = [(4, 4)] * 5 + [(8, 4)] * 2
     projected = suite._projected_step_seconds(Fake, shapes, "cpu")
     # a warm-up and a timed step on one matrix of each shape, never the full set
@@ -194,8 +189,6 @@ def test_a_peer_step_is_projected_from_one_step_per_shape(monkeypatch: pytest.Mo
 
 
 def test_checkpoint_case_times_saves_checksums_the_non_finite_check_and_a_loads_memory() -> None:
-    from benchmarks.checkpoint import case_checkpoint
-
     rows = list(case_checkpoint(Settings(repeats=1, checkpoint_params=200_000)))
     assert [(r.ours_label, r.peer_label) for r in rows] == [
         ("async save", "synchronous save"),
@@ -213,3 +206,85 @@ def test_checkpoint_case_times_saves_checksums_the_non_finite_check_and_a_loads_
     assert all(r.peer and r.peer > 0 for r in rows[4:]), [r.note for r in rows[4:]]
     # a load's memory is measured in a fresh process: it ran (its size is never asserted)
     assert all(r.ours is not None and r.unit == "MiB" for r in rows[7:]), rows[7].note
+
+
+def _benchmark_imports(folder: Path) -> dict[str, dict[str, tuple[int, bool]]]:
+    """Per module of ``folder``, the modules of ``folder`` it imports: line, and whether at top.
+
+    Every import counts, inside functions too: a circle closed there is a circle still.
+    """
+    modules = {p.stem for p in folder.glob("*.py")}
+    graph: dict[str, dict[str, tuple[int, bool]]] = {}
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        top = {id(node) for node in tree.body}
+        imported: dict[str, tuple[int, bool]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # from . import x, from .x import y
+                    base = ".".join(filter(None, [folder.name, base]))
+                names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == folder.name and len(parts) > 1 and parts[1] in modules:
+                    imported.setdefault(parts[1], (node.lineno, id(node) in top))
+        graph[path.stem] = imported
+    return graph
+
+
+def _cycle(graph: dict[str, dict[str, tuple[int, bool]]]) -> list[str] | None:
+    """One circle of imports in ``graph`` as the modules along it (first one repeated), or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done:
+            return None
+        path.append(module)
+        for imported in graph.get(module, {}):
+            if (found := visit(imported)) is not None:
+                return found
+        path.pop()
+        done.add(module)
+        return None
+
+    for module in graph:
+        if (found := visit(module)) is not None:
+            return found
+    return None
+
+
+def test_benchmark_modules_import_each_other_without_a_cycle() -> None:
+    graph = _benchmark_imports(ROOT / "benchmarks")
+    assert "common" in graph["suite"] and "checkpoint" in graph["suite"]  # the graph is read
+    circle = _cycle(graph)
+    assert circle is None, "benchmarks import in a circle: " + " -> ".join(circle or [])
+
+
+def test_a_circle_closed_inside_a_function_is_found(tmp_path: Path) -> None:
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    (folder / "suite.py").write_text("from benchmarks.case import run\n")
+    (folder / "case.py").write_text("def run():\n    from benchmarks.suite import Row\n")
+    (folder / "alone.py").write_text("from benchmarks import case\n")
+    graph = _benchmark_imports(folder)
+    assert graph == {"alone": {"case": (1, True)}, "case": {"suite": (2, False)},
+                     "suite": {"case": (1, True)}}  # fmt: skip
+    assert _cycle(graph) in (["case", "suite", "case"], ["suite", "case", "suite"])
+
+
+def test_benchmark_modules_import_each_other_at_module_top() -> None:
+    inside = [
+        f"benchmarks/{module}.py:{line} imports {imported}"
+        for module, imports in _benchmark_imports(ROOT / "benchmarks").items()
+        for imported, (line, at_top) in imports.items()
+        if not at_top
+    ]
+    assert not inside, inside
