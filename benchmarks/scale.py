@@ -164,7 +164,7 @@ def muon_group() -> dict[str, Any]:
 
 
 @dataclass
-class Plan:
+class ModeledExchange:
     """The exchange of one step in one group of replicas: each bucket's trips and spread, FLOPs.
 
     The group is ``replica_group`` rows (replicas) of ``shards`` ranks; the
@@ -187,7 +187,7 @@ class Plan:
 
 def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype,
                   profile: DeviceProfile, device: str = "cuda", team_size: int | None = None,
-                  replica_group: int | None = None) -> Plan:  # fmt: skip
+                  replica_group: int | None = None) -> ModeledExchange:  # fmt: skip
     """The ``fsdp`` backend's plan for ``params`` row-sharded over ``shards`` ranks, replicated.
 
     ``team_size``: ranks per matrix; ``replica_group``: replicas that share
@@ -241,7 +241,7 @@ def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype
         for i in r:
             load[owners[i]] = load.get(owners[i], 0.0) + seconds[i]
         bucket_seconds.append(max(load.values(), default=0.0))
-    return Plan(trips, spread, per_rank, bucket_seconds, team_bytes, size, group, shards)
+    return ModeledExchange(trips, spread, per_rank, bucket_seconds, team_bytes, size, group, shards)
 
 
 def _collective_bytes(kind: str, elements: int, members: int) -> float:
@@ -338,19 +338,20 @@ def lower_bound_bytes(params: Params, shards: int) -> int:
 
 def predict(params: Params, ranks: int, shards: int, transport: str, profile: DeviceProfile,
             ns_dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-            plan: Plan | None = None, param_bytes: int = 4) -> Prediction:  # fmt: skip
+            exchange: ModeledExchange | None = None,
+            param_bytes: int = 4) -> Prediction:  # fmt: skip
     """One step of ``params`` on ``ranks`` (shard groups of ``shards``) by ``transport``."""
-    plan = plan or plan_exchange(params, ranks, shards, ns_dtype, profile, device)
+    exchange = exchange or plan_exchange(params, ranks, shards, ns_dtype, profile, device)
     trips = sum(transport_seconds(t, TRAVEL_BYTES, transport, profile)
-                for ts in plan.trips for t in ts)  # fmt: skip
-    spread_s, spread_bytes = _spread(plan, profile)
+                for ts in exchange.trips for t in ts)  # fmt: skip
+    spread_s, spread_bytes = _spread(exchange, profile)
     moved = (
-        plan.team_bytes
+        exchange.team_bytes
         + spread_bytes
-        + sum(rank_bytes(t, transport, TRAVEL_BYTES) for ts in plan.trips for t in ts)
+        + sum(rank_bytes(t, transport, TRAVEL_BYTES) for ts in exchange.trips for t in ts)
     )
-    busiest = float(plan.flops.max())
-    ns = sum(plan.bucket_seconds)  # each bucket waits for its busiest member
+    busiest = float(exchange.flops.max())
+    ns = sum(exchange.bucket_seconds)  # each bucket waits for its busiest member
     local = (params.muon_elements + 2 * params.adamw_elements) / shards
     elementwise = (params.muon_elements * MUON_PASSES + params.adamw_elements * ADAMW_PASSES) \
         * 4 / shards / profile.memory_bytes_per_s  # fmt: skip
@@ -359,27 +360,27 @@ def predict(params: Params, ranks: int, shards: int, transport: str, profile: De
     fits = profile.device_memory_bytes is None or memory <= profile.device_memory_bytes
     step = trips + spread_s + ns + elementwise
     return Prediction(ranks, transport, step if fits else None, int(moved.max()), busiest,
-                      int(local * STATE_BYTES), trips + spread_s, ns, elementwise, plan.team_size,
-                      shards, plan.replica_group, lower_bound_bytes(params, shards), memory,
-                      fits)  # fmt: skip
+                      int(local * STATE_BYTES), trips + spread_s, ns, elementwise,
+                      exchange.team_size, shards, exchange.replica_group,
+                      lower_bound_bytes(params, shards), memory, fits)  # fmt: skip
 
 
-def _spread(plan: Plan, profile: DeviceProfile) -> tuple[float, torch.Tensor]:
+def _spread(exchange: ModeledExchange, profile: DeviceProfile) -> tuple[float, torch.Tensor]:
     """Seconds of the spreads, and each rank's bytes in them (a ring: sent and received).
 
     Each column's all-gather over ``replica_group`` ranks is a ring of
     ``replica_group - 1`` steps, each moving its widest row's elements; the
     columns run at once, so the widest column sets each bucket's time.
     """
-    steps = plan.replica_group - 1
-    per_column = torch.zeros(plan.shards, dtype=torch.float64)
+    steps = exchange.replica_group - 1
+    per_column = torch.zeros(exchange.shards, dtype=torch.float64)
     seconds = 0.0
-    for widths in plan.spread:
+    for widths in exchange.spread:
         if steps:
             nbytes = steps * float(widths.max()) * TRAVEL_BYTES
             seconds += profile.all_gather.seconds(steps, nbytes)
         per_column += 2 * steps * widths.double() * TRAVEL_BYTES
-    return seconds, per_column.repeat(plan.replica_group)
+    return seconds, per_column.repeat(exchange.replica_group)
 
 
 def shard_size(params: Params, ranks: int, profile: DeviceProfile, param_bytes: int = 4) -> int:
@@ -407,8 +408,8 @@ def predictions(params: Params, ranks: Sequence[int], profile: DeviceProfile,
         s = shard_size(params, n, profile, param_bytes) if shards == "auto" else int(shards)
         if n % s:
             raise SystemExit(f"--shard-size {s} does not divide {n} ranks; choose a divisor")
-        plan = plan_exchange(params, n, s, torch.bfloat16, profile)
-        rows += [predict(params, n, s, t, profile, plan=plan, param_bytes=param_bytes)
+        exchange = plan_exchange(params, n, s, torch.bfloat16, profile)
+        rows += [predict(params, n, s, t, profile, exchange=exchange, param_bytes=param_bytes)
                  for t in TRANSPORTS]  # fmt: skip
     return rows
 
@@ -908,9 +909,9 @@ def validate(profile: DeviceProfile, cases: Sequence[tuple[int, int, int, int]],
         params = Params(f"d={record['dim']}", tuple((s, 1) for s in shapes), 0)
         n, replicas = record["ranks"], record["replicas"]
         shards = n // replicas
-        plan = plan_exchange(params, n, shards, ns_dtype, profile, device="cpu",
-                             team_size=record["team_size"], replica_group=replicas)  # fmt: skip
-        p = predict(params, n, shards, record["transport"], profile, ns_dtype, plan=plan)
+        exchange = plan_exchange(params, n, shards, ns_dtype, profile, device="cpu",
+                                 team_size=record["team_size"], replica_group=replicas)  # fmt: skip
+        p = predict(params, n, shards, record["transport"], profile, ns_dtype, exchange=exchange)
         assert p.step_s is not None
         rows.append({"mesh": mesh, "ranks": n, "replicas": replicas, "dim": record["dim"],
                      "layers": record["layers"], "team_size": record["team_size"],
