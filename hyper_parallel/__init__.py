@@ -9,9 +9,9 @@ HyperParallel guide writes it; the plugin contract is
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from hyper_parallel.core import distributed as _distributed
 from hyper_parallel.core import optimizer as _optimizer
 from hyper_parallel.core.errors import (
     DuplicatePluginError,
@@ -25,35 +25,33 @@ from hyper_parallel.core.optimizer import (
     HyperLRScheduler,
     LRSchedulersContainer,
     MainParams,
-    MatrixOptimizer,
     get_hyper_lr_scheduler,
     get_hyper_optimizer,
     grads_are_finite,
-    non_finite,
-    non_finite_state,
     step_if_finite,
 )
-from hyper_parallel.core.plugin import (
-    PluginKind,
-    RegisterFn,
-    get_registry,
-    hookimpl,
-    register_plugin,
-    unregister_plugin,
-)
+from hyper_parallel.core.plugin import PluginKind, get_registry
+from hyper_parallel.core.plugin._markers import hookimpl
+from hyper_parallel.core.plugin._registry import register_plugin, unregister_plugin
 
 if TYPE_CHECKING:
     # Their real classes for type checkers; at run time they come from the registry.
-    from hyper_parallel.core.distributed import (
-        clip_grad_norm_,
-        fully_shard,
-        hsdp_mesh,
-        init_device_mesh,
-        set_gradient_scaling_factor,
-    )
+    from hyper_parallel.core.distributed._clip_grad import clip_grad_norm_
+    from hyper_parallel.core.distributed._fsdp import fully_shard, set_gradient_scaling_factor
+    from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh
     from hyper_parallel_builtins.adamw import AdamW
     from hyper_parallel_builtins.muon import Muon
     from hyper_parallel_builtins.sinkhorn import Sinkhorn
+
+# The distributed API, imported on first use: it needs torch.distributed.tensor and FSDP,
+# which a process that only lists plugins or trains on one device never loads.
+_LAZY: dict[str, str] = {
+    "clip_grad_norm_": "hyper_parallel.core.distributed._clip_grad",
+    "fully_shard": "hyper_parallel.core.distributed._fsdp",
+    "set_gradient_scaling_factor": "hyper_parallel.core.distributed._fsdp",
+    "hsdp_mesh": "hyper_parallel.core.distributed._mesh",
+    "init_device_mesh": "hyper_parallel.core.distributed._mesh",
+}
 
 __version__ = "0.1.0"
 
@@ -65,12 +63,10 @@ __all__ = [
     "HyperParallelError",
     "LRSchedulersContainer",
     "MainParams",
-    "MatrixOptimizer",
     "Muon",
     "PluginError",
     "PluginKind",
     "PluginLoadError",
-    "RegisterFn",
     "Sinkhorn",
     "UnknownPluginError",
     "__version__",
@@ -83,8 +79,6 @@ __all__ = [
     "hookimpl",
     "hsdp_mesh",
     "init_device_mesh",
-    "non_finite",
-    "non_finite_state",
     "register_plugin",
     "set_gradient_scaling_factor",
     "step_if_finite",
@@ -96,10 +90,9 @@ def __getattr__(name: str) -> Any:
     # The registered optimizers come from the registry, like the guide's import path.
     if name in _optimizer.REGISTERED:
         return getattr(_optimizer, name)
-    # The distributed API loads on first use (hyper_parallel.core.distributed.LAZY),
-    # keeping `import hyper_parallel` light.
-    if name in _distributed.LAZY:
-        value = getattr(_distributed, name)
+    # The distributed API loads on first use, keeping `import hyper_parallel` light.
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -191,7 +191,8 @@ def _cmd_checkpoint_verify(args: argparse.Namespace) -> int:
     """One line per checkpoint at or under ``args.path``; 1 if any is bad or corrupt."""
     from pathlib import Path
 
-    from hyper_parallel.checkpoint import find_checkpoints, verify
+    from hyper_parallel.checkpoint import verify
+    from hyper_parallel.checkpoint._verify import find_checkpoints
 
     root = Path(args.path)
     if not root.exists():

@@ -49,7 +49,8 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 from torch.optim import Optimizer
 
-from hyper_parallel.core.plugin import PluginKind, get_registry, register_plugin, unregister_plugin
+from hyper_parallel.core.plugin import PluginKind, get_registry
+from hyper_parallel.core.plugin._registry import register_plugin, unregister_plugin
 
 __all__ = [
     "check_lr_schedule",

@@ -15,7 +15,7 @@ from test_checkpoint import _batch, _build, _train
 from test_checkpoint_integrity import _assert_untouched, _snapshot
 
 from conftest import TINY_TRAIN_ARGS
-from hyper_parallel import checkpoint, non_finite_state
+from hyper_parallel import checkpoint
 from hyper_parallel.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -27,6 +27,7 @@ from hyper_parallel.checkpoint import (
 from hyper_parallel.checkpoint._integrity import MANIFEST, checksum_share, write_manifest
 from hyper_parallel.checkpoint._tensors import read_metadata
 from hyper_parallel.cli import main
+from hyper_parallel.core.optimizer._nonfinite import non_finite_state
 
 
 def _momentum(opt: Any) -> torch.Tensor:

@@ -13,9 +13,9 @@ import pytest
 import torch
 from distributed import run_distributed
 
-from hyper_parallel import non_finite_state
 from hyper_parallel.checkpoint import CheckpointManager, NonFiniteStateError, _save
-from hyper_parallel_builtins.muon import NS_DTYPE_ENV
+from hyper_parallel.core.optimizer._nonfinite import non_finite_state
+from hyper_parallel_builtins.muon._options import NS_DTYPE_ENV
 
 #: The Muon momentum buffer that goes NaN, in rank 1's local shard only.
 _BAD_PARAM = "layers.1.o_proj.weight"

@@ -22,7 +22,7 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 
-from hyper_parallel.core.distributed import clip_grad_norm_
+from hyper_parallel import clip_grad_norm_
 from hyper_parallel.core.optimizer import ChainedOptimizer
 
 INF = math.inf

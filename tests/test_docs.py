@@ -150,7 +150,8 @@ def test_plugin_guide_shows_the_register_callback() -> None:
     assert 'register(name, obj, *, description="", aliases=(), requires=())' in text
     import inspect
 
-    from hyper_parallel.core.plugin import OPTIMIZER_REQUIREMENTS, RegisterFn
+    from hyper_parallel.core.plugin import RegisterFn
+    from hyper_parallel.core.plugin._entries import OPTIMIZER_REQUIREMENTS
 
     keywords = [p for p in inspect.signature(RegisterFn.__call__).parameters if p != "self"]
     assert keywords == ["name", "obj", "description", "aliases", "requires"]  # as the page shows

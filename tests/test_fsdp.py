@@ -24,11 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import hyper_parallel
 from conftest import Block, TinyLM, lm_loss
 from hyper_parallel.core.distributed import _fsdp as fsdp_module
-from hyper_parallel.core.distributed import (
-    fully_shard,
-    init_device_mesh,
-    set_gradient_scaling_factor,
-)
+from hyper_parallel.core.distributed._fsdp import fully_shard, set_gradient_scaling_factor
+from hyper_parallel.core.distributed._mesh import init_device_mesh
 
 GUIDE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "optimizer-guide.md"
 

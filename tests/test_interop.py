@@ -72,8 +72,9 @@ def test_names_loaded_on_first_use_are_in_dir_for_tab_completion() -> None:
 
     for name in ("Muon", "AdamW", "Sinkhorn", "fully_shard", "init_device_mesh", "clip_grad_norm_"):
         assert name in dir(hyper_parallel), name
-    assert {"fully_shard", "init_device_mesh", "clip_grad_norm_"} <= set(dir(distributed))
+    assert {"fully_shard", "ranks_per_node"} <= set(dir(distributed))
     assert set(hyper_parallel.__all__) <= set(dir(hyper_parallel))
+    assert set(distributed.__all__) <= set(dir(distributed))
 
 
 def test_a_number_where_the_schedule_name_goes_says_where_it_belongs() -> None:

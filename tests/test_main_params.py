@@ -17,12 +17,12 @@ from hyper_parallel import (
     ChainedOptimizer,
     MainParams,
     checkpoint,
+    clip_grad_norm_,
     get_hyper_lr_scheduler,
     get_hyper_optimizer,
     grads_are_finite,
 )
 from hyper_parallel.checkpoint import CheckpointManager
-from hyper_parallel.core.distributed import clip_grad_norm_
 
 STEPS = 60
 FAMILIES: dict[str, Any] = {

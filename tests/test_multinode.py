@@ -20,8 +20,7 @@ from test_torchrun import TESTS, _checkpoint_values, _torchrun
 
 from conftest import TINY_TRAIN_ARGS
 from hyper_parallel.core.compat import TCPStore
-from hyper_parallel.core.distributed import hsdp_mesh
-from hyper_parallel.core.distributed._mesh import agree_on_attempt_token, hsdp_mesh_shape
+from hyper_parallel.core.distributed._mesh import agree_on_attempt_token, hsdp_mesh, hsdp_mesh_shape
 
 TRAIN = ["train", "--sharding", "hsdp", "--steps", "12", "--eval-every", "4",
          "--checkpoint-every", "4", *TINY_TRAIN_ARGS]  # fmt: skip

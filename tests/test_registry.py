@@ -447,7 +447,7 @@ def test_a_bad_entry_of_each_kind_fails_its_plugin_only(hook: str, obj: Any, mes
 def test_each_kind_has_its_own_frozen_record_type() -> None:
     import dataclasses
 
-    from hyper_parallel.core.plugin import ENTRY_TYPES
+    from hyper_parallel.core.plugin._entries import ENTRY_TYPES
 
     registry = get_registry()
     for kind, record in ENTRY_TYPES.items():

@@ -13,12 +13,8 @@ from torch import nn
 
 from conftest import TinyLM, lm_loss
 from hyper_parallel import checkpoint
-from hyper_parallel.core.optimizer import (
-    SwapOptimizer,
-    SwapOptimizerConfig,
-    get_hyper_optimizer,
-    is_swap_optimizer,
-)
+from hyper_parallel.core.optimizer import SwapOptimizer, SwapOptimizerConfig, get_hyper_optimizer
+from hyper_parallel.core.optimizer._swap import is_swap_optimizer
 
 STEPS = 20
 

@@ -15,10 +15,10 @@ import torch
 
 from conftest import TINY_TRAIN_ARGS as TINY
 from hyper_parallel.cli import main
-from hyper_parallel.train import TinyGPT, TrainConfig, plot, steps_to_reach, synthetic_corpus, train
+from hyper_parallel.train import TinyGPT, TrainConfig, plot, train
 from hyper_parallel.train import threads as threads_module
-from hyper_parallel.train.data import SYNTHETIC_ALPHABET
-from hyper_parallel.train.loop import _comparison_line, reached_between
+from hyper_parallel.train.data import SYNTHETIC_ALPHABET, synthetic_corpus
+from hyper_parallel.train.loop import _comparison_line, reached_between, steps_to_reach
 from hyper_parallel.train.plot import Curve, smooth_by_step
 from hyper_parallel.train.threads import choose_threads
 

@@ -58,7 +58,7 @@ from hyper_parallel.checkpoint._lock import break_lock
 from hyper_parallel.checkpoint._manager import CheckpointManager
 from hyper_parallel.checkpoint._preemption import Preemption
 from hyper_parallel.checkpoint._save import save, wait
-from hyper_parallel.checkpoint._verify import Verified, find_checkpoints, verify
+from hyper_parallel.checkpoint._verify import Verified, verify
 
 __all__ = [
     "CheckpointError",
@@ -68,7 +68,6 @@ __all__ = [
     "Preemption",
     "Verified",
     "break_lock",
-    "find_checkpoints",
     "load",
     "load_latest",
     "save",

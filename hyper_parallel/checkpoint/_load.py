@@ -59,11 +59,11 @@ from hyper_parallel.checkpoint._tensors import (
     read_metadata,
 )
 from hyper_parallel.core.compat import checkpoint_fqn
-from hyper_parallel.core.optimizer import non_finite
 from hyper_parallel.core.optimizer._main_params import (
     warn_main_params_dropped,
     warn_main_params_rebuilt,
 )
+from hyper_parallel.core.optimizer._nonfinite import non_finite
 
 __all__ = ["load", "load_latest"]
 

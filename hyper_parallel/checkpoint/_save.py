@@ -27,7 +27,7 @@ from hyper_parallel.checkpoint._state import (
     split_optimizer,
 )
 from hyper_parallel.checkpoint._tensors import flat_tensors
-from hyper_parallel.core.optimizer import non_finite
+from hyper_parallel.core.optimizer._nonfinite import non_finite
 
 # -- save ------------------------------------------------------------------------
 

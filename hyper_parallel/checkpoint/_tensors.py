@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from hyper_parallel.checkpoint._errors import reason
 from hyper_parallel.checkpoint._state import SafeReader, quiet_single_process
-from hyper_parallel.core.optimizer import NonFiniteTensors, non_finite
+from hyper_parallel.core.optimizer._nonfinite import NonFiniteTensors, non_finite
 
 __all__ = [
     "REMOVED_WHILE_READ",

@@ -13,7 +13,7 @@ from hyper_parallel.checkpoint._errors import CheckpointError, reason
 from hyper_parallel.checkpoint._integrity import MANIFEST, verified_manifest
 from hyper_parallel.checkpoint._layout import STEP_DIR
 from hyper_parallel.checkpoint._tensors import first_unreadable, non_finite_saved, read_metadata
-from hyper_parallel.core.optimizer import NonFiniteTensors
+from hyper_parallel.core.optimizer._nonfinite import NonFiniteTensors
 
 __all__ = ["Verified", "find_checkpoints", "verify"]
 

@@ -16,28 +16,23 @@ from typing import Any
 
 import torch
 
-# The stores torchrun's agent uses; public classes, defined in a private module.
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+# The stores torchrun's agent uses; public classes, defined in a private module. Core's
+# mesh code imports them from here (re-exported by name, not among the public names).
+from torch._C._distributed_c10d import PrefixStore as PrefixStore
+from torch._C._distributed_c10d import Store as Store
+from torch._C._distributed_c10d import TCPStore as TCPStore
 
 from hyper_parallel.core.errors import HyperParallelValueError
 
+# The helpers plugins use. The rest of this module (DCP's FQNs, FSDP2's param groups,
+# DTensor's strided shard, the optimizer hook dicts, torchrun's stores) serves core's own
+# modules, which import it from here.
 __all__ = [
-    "CPU_KINDS",
-    "OPTIMIZER_HOOKS",
-    "PrefixStore",
-    "Store",
-    "TCPStore",
-    "checkpoint_fqn",
     "cpu_has_native_bf16",
     "cpu_kind",
-    "cpu_kind_of",
     "device_has_foreach_support",
     "eager_when_compiled",
-    "fsdp_param_groups",
     "fused_kernel_devices",
-    "init_optimizer_hooks",
-    "optimizer_hook_dict",
-    "strided_shard_type",
 ]
 
 

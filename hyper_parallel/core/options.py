@@ -17,7 +17,6 @@ from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValu
 __all__ = [
     "FAMILY_KEYS",
     "FAMILY_ORDER",
-    "GROUP_BOOKKEEPING_KEYS",
     "accepted_keywords",
     "check_group_keys",
     "check_keywords",
@@ -104,7 +103,9 @@ def check_group_keys(group: Mapping[str, Any], options: Iterable[str], *, where:
 
     A typo such as ``{"params": ..., "lrr": 0.1}`` would otherwise be stored
     and never read, so the group would silently train at the default lr.
-    ``where`` names the optimizer, e.g. ``"optimizer 'muon'"``.
+    ``where`` names the optimizer, e.g. ``"optimizer 'muon'"``. The keys that
+    are not options (``params``, ``param_names``, ``initial_lr``) are always
+    allowed.
     """
     known = set(options) | GROUP_BOOKKEEPING_KEYS
     for key in group:

@@ -77,7 +77,7 @@ def place(config: TrainConfig) -> Placement:
 
 def _mesh(sharding: str, backend: str, world: int) -> Any:
     """A 1-D mesh for fsdp; for hsdp, (nodes, processes per node) (``hsdp_mesh``)."""
-    from hyper_parallel.core.distributed import hsdp_mesh, init_device_mesh
+    from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh
 
     try:
         if backend == "hsdp":

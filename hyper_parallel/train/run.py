@@ -21,9 +21,9 @@ from hyper_parallel.core.optimizer import (
     HyperLRScheduler,
     get_hyper_lr_scheduler,
     get_hyper_optimizer,
-    non_finite_state,
     step_if_finite,
 )
+from hyper_parallel.core.optimizer._nonfinite import non_finite_state
 from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, get_registry
 from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import TokenizedText, batches

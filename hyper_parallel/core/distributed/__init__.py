@@ -1,4 +1,12 @@
-"""Distributed building blocks: device meshes, FSDP2 sharding, clipping, and the sharding-backend contract."""
+"""The sharding-backend contract: what an optimizer's transform needs, and what a backend implements.
+
+Plugin authors build a backend from :class:`ShardingBackend` and the parts in
+:mod:`hyper_parallel.core.distributed.toolkit`; :func:`ranks_per_node` is the
+processes per node a backend sizes its teams by. Users import the distributed
+API (``init_device_mesh``, ``hsdp_mesh``, ``fully_shard``,
+``set_gradient_scaling_factor``, ``clip_grad_norm_``) from
+:mod:`hyper_parallel`.
+"""
 
 from __future__ import annotations
 
@@ -6,36 +14,28 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.core.distributed._backend import (
-    SHARDING_ENV,
     BlocksFn,
     GroupBackends,
     PrepareFn,
     ReductionsFn,
     ShardingBackend,
     TeamTransform,
-    resolve_backend,
 )
 from hyper_parallel.core.distributed._needs import Blocks, Need, RowBlocks, WholeMatrices
 from hyper_parallel.core.distributed.toolkit import Reducer
 
 if TYPE_CHECKING:
-    from hyper_parallel.core.distributed._clip_grad import clip_grad_norm_
-    from hyper_parallel.core.distributed._fsdp import fully_shard, set_gradient_scaling_factor
-    from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh, ranks_per_node
+    from hyper_parallel.core.distributed._fsdp import fully_shard
+    from hyper_parallel.core.distributed._mesh import ranks_per_node
 
 # Imported on first use: they need torch.distributed.tensor and FSDP, which a
 # process that only lists plugins or trains on one device never loads.
 LAZY: dict[str, str] = {
-    "clip_grad_norm_": "hyper_parallel.core.distributed._clip_grad",
     "fully_shard": "hyper_parallel.core.distributed._fsdp",
-    "set_gradient_scaling_factor": "hyper_parallel.core.distributed._fsdp",
-    "hsdp_mesh": "hyper_parallel.core.distributed._mesh",
-    "init_device_mesh": "hyper_parallel.core.distributed._mesh",
     "ranks_per_node": "hyper_parallel.core.distributed._mesh",
 }
 
 __all__ = [
-    "SHARDING_ENV",
     "Blocks",
     "BlocksFn",
     "GroupBackends",
@@ -47,14 +47,11 @@ __all__ = [
     "ShardingBackend",
     "TeamTransform",
     "WholeMatrices",
-    "clip_grad_norm_",
-    "fully_shard",
-    "hsdp_mesh",
-    "init_device_mesh",
     "ranks_per_node",
-    "resolve_backend",
-    "set_gradient_scaling_factor",
 ]
+# Still imported from here by the fsdp backend's _backend.py, which moves to
+# ``from hyper_parallel import fully_shard`` (the users' path) later.
+__all__ += ["fully_shard"]
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,8 @@ from hyper_parallel.core.errors import (
     HyperParallelValueError,
 )
 from hyper_parallel.core.options import FAMILY_KEYS, FAMILY_ORDER, did_you_mean
-from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry, normalize_name
+from hyper_parallel.core.plugin import PluginKind, RegistryEntry, get_registry
+from hyper_parallel.core.plugin._entries import normalize_name
 
 __all__ = [
     "DEFAULT_PARTITIONER",

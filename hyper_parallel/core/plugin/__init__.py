@@ -1,50 +1,26 @@
-"""The plugin contract (hookspecs) and the registry that discovers plugins."""
+"""The plugin contract (hookspecs) and the registry that discovers plugins.
+
+What a plugin author or a user of the registry names here: the registry
+(:func:`get_registry`, :class:`Registry`, :class:`RegistryEntry`,
+:class:`OptimizerEntry`, :class:`PluginKind`) and the type of a hook's
+``register`` callback (:class:`RegisterFn`). ``hookimpl``,
+``register_plugin`` and ``unregister_plugin`` are imported from
+:mod:`hyper_parallel`.
+"""
 
 from hyper_parallel.core.plugin._entries import (
-    ENTRY_TYPES,
-    OPTIMIZER_REQUIREMENTS,
-    BackendEntry,
-    LoadedPlugin,
     OptimizerEntry,
-    PartitionerEntry,
     PluginKind,
     RegistryEntry,
-    ScheduleEntry,
-    normalize_name,
 )
-from hyper_parallel.core.plugin._markers import PROJECT_NAME, hookimpl, hookspec
-from hyper_parallel.core.plugin._registry import (
-    DISABLE_ENV,
-    ENTRY_POINT_GROUP,
-    STRICT_ENV,
-    Registry,
-    get_registry,
-    register_plugin,
-    unregister_plugin,
-)
-from hyper_parallel.core.plugin._types import LRScheduleFn, RegisterFn
+from hyper_parallel.core.plugin._registry import Registry, get_registry
+from hyper_parallel.core.plugin._types import RegisterFn
 
 __all__ = [
-    "DISABLE_ENV",
-    "ENTRY_POINT_GROUP",
-    "ENTRY_TYPES",
-    "OPTIMIZER_REQUIREMENTS",
-    "PROJECT_NAME",
-    "STRICT_ENV",
-    "BackendEntry",
-    "LRScheduleFn",
-    "LoadedPlugin",
     "OptimizerEntry",
-    "PartitionerEntry",
     "PluginKind",
     "RegisterFn",
     "Registry",
     "RegistryEntry",
-    "ScheduleEntry",
     "get_registry",
-    "hookimpl",
-    "hookspec",
-    "normalize_name",
-    "register_plugin",
-    "unregister_plugin",
 ]
