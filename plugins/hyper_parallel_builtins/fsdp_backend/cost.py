@@ -297,10 +297,15 @@ def exchange_trips(
         sources += mask.long()
         reach[owner] = int(mask.sum())
     to_owners = Trip(
-        torch.tensor(to_sent), torch.tensor(to_received),
-        torch.tensor([to_peers[r] for r in range(world)], dtype=torch.int64),
-    )  # fmt: skip
-    back = Trip(torch.tensor(back_sent), back_received, torch.maximum(reach, sources))
+        sent=torch.tensor(to_sent),
+        received=torch.tensor(to_received),
+        peers=torch.tensor([to_peers[r] for r in range(world)], dtype=torch.int64),
+    )
+    back = Trip(
+        sent=torch.tensor(back_sent),
+        received=back_received,
+        peers=torch.maximum(reach, sources),
+    )
     return to_owners, back
 
 
@@ -492,10 +497,18 @@ def choose_replica_group(
     if not sizes:
         return replicas
     seconds = {
-        g: replica_group_seconds(shapes, whole_flops, team, shards, g, profile, node_size,
-                                 element_size)
+        g: replica_group_seconds(
+            shapes=shapes,
+            whole_flops=whole_flops,
+            team=team,
+            shards=shards,
+            replicas=g,
+            profile=profile,
+            node_size=node_size,
+            element_size=element_size,
+        )
         for g in sizes
-    }  # fmt: skip
+    }
     return min(sizes, key=lambda g: (seconds[g], g))
 
 
