@@ -68,12 +68,14 @@ TEAM_SIZE_ENV = "HYPER_PARALLEL_TEAM_SIZE"
 
 #: Buckets the owner exchange is cut into, each giving every owner about this share of
 #: its work: the first bucket's trip to its owners and the last one's trip back are what
-#: overlap cannot hide. A bucket holds at least ``MIN_BUCKET_BYTES`` (each exchange has
-#: a fixed cost, about 0.5 ms with gloo) and at most a quarter of ``DEFAULT_BUCKET_BYTES``
-#: per owner (up to three buckets are in flight at once).
+#: overlap cannot hide. A bucket holds at least ``MIN_BUCKET_BYTES`` and at most a
+#: quarter of ``DEFAULT_BUCKET_BYTES`` per owner (up to four buckets are in flight at
+#: once: ``Exchange.overlapped``).
 OVERLAP_BUCKETS = 4
 
-#: Fewest bytes of whole tensors per owner in a bucket (a smaller total is one bucket).
+#: Fewest bytes of whole tensors per owner in a bucket (a smaller total is one bucket):
+#: each exchange has a fixed cost, which a smaller bucket would pay for too few bytes
+#: (measured: docs/benchmarks.md, "The FSDP backend's constants").
 MIN_BUCKET_BYTES = 1024 * 1024
 
 

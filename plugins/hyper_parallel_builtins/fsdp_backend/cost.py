@@ -189,8 +189,9 @@ class DeviceProfile:
         return cost
 
 
-#: Measured on 2 CPU cores (AVX2, no native bf16), gloo over loopback, 2 processes of
-#: 1 thread: ``python -m benchmarks.scale --calibrate --profile cpu.json``.
+#: The profile of a CPU with gloo, built in: what ``auto`` predicts with when no file is
+#: named. Its figures come from ``python -m benchmarks.scale --calibrate`` (measured:
+#: docs/benchmarks.md, "The FSDP backend's constants", which names the machine).
 _CPU_GLOO = DeviceProfile(
     name="cpu-gloo",
     all_to_all=LinkCost(latency_s=5.9e-4, seconds_per_byte=8.4e-10),
