@@ -58,7 +58,7 @@ def docs_page() -> Iterator[None]:
     import torch
 
     from hyper_parallel import get_registry
-    from hyper_parallel_builtins.muon import NS_DTYPE_ENV
+    from hyper_parallel_builtins.muon._options import NS_DTYPE_ENV
 
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as where, pytest.MonkeyPatch.context() as patch:

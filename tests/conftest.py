@@ -17,7 +17,7 @@ from torch import nn
 from hyper_parallel import get_registry
 from hyper_parallel.train.model import DecoderBlock, GPTConfig, TinyGPT
 from hyper_parallel.train.model import RMSNorm as RMSNorm  # for test_layouts
-from hyper_parallel_builtins.muon import NS_DTYPE_ENV
+from hyper_parallel_builtins.muon._options import NS_DTYPE_ENV
 
 # Muon iterates in float32 in every test, and in every process a test starts, unless the
 # test names its ns_dtype: by default a CPU with native bf16 matmul would iterate in

@@ -17,17 +17,20 @@ from torch import Tensor, nn
 import hyper_parallel_builtins.muon._options as options_module
 import hyper_parallel_builtins.muon._update as muon_module
 from hyper_parallel import get_registry
-from hyper_parallel_builtins.muon import NS_DTYPE_ENV, Muon, default_ns_dtype
+from hyper_parallel_builtins.muon import Muon
+from hyper_parallel_builtins.muon._options import NS_DTYPE_ENV, default_ns_dtype
 from hyper_parallel_builtins.newton_schulz import (
     COEFFICIENT_SETS,
-    GRAM_MIN_ASPECT,
-    GRAM_MIN_ASPECT_CPU_LARGE,
     KELLER_COEFFICIENTS,
-    PER_MATRIX_FROM,
     newton_schulz,
     newton_schulz_batched,
-    newton_schulz_flops,
     resolve_coefficients,
+)
+from hyper_parallel_builtins.newton_schulz._iterate import newton_schulz_flops
+from hyper_parallel_builtins.newton_schulz._paths import (
+    GRAM_MIN_ASPECT,
+    GRAM_MIN_ASPECT_CPU_LARGE,
+    PER_MATRIX_FROM,
     resolve_ns_method,
 )
 
@@ -784,7 +787,7 @@ def test_the_cpu_kind_is_worked_out_once_per_process(monkeypatch: pytest.MonkeyP
 
 
 def test_unmeasured_kinds_and_accelerators_fall_back_as_documented() -> None:
-    from hyper_parallel_builtins.newton_schulz import (
+    from hyper_parallel_builtins.newton_schulz._paths import (
         ACCELERATOR_PATH,
         CPU_PATHS,
         UNMEASURED_CPU_PATH,

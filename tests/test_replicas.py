@@ -50,7 +50,7 @@ def _llama_like(layers: int) -> list[torch.Size]:
 
 def _choice(layers: int, profile: DeviceProfile | None, replicas: int = 16) -> int:
     from benchmarks.scale import muon_group
-    from hyper_parallel_builtins.newton_schulz import newton_schulz_flops
+    from hyper_parallel_builtins.newton_schulz._iterate import newton_schulz_flops
 
     shapes = _llama_like(layers)
     flops = [newton_schulz_flops(r, c, 5, "standard") for r, c in shapes]

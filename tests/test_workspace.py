@@ -11,12 +11,9 @@ import pytest
 import torch
 
 from hyper_parallel_builtins.muon import Muon
-from hyper_parallel_builtins.newton_schulz import (
-    ASYM5_COEFFICIENTS,
-    Workspace,
-    newton_schulz_batched,
-    resolve_coefficients,
-)
+from hyper_parallel_builtins.newton_schulz import newton_schulz_batched, resolve_coefficients
+from hyper_parallel_builtins.newton_schulz._coefficients import ASYM5_COEFFICIENTS
+from hyper_parallel_builtins.newton_schulz._workspace import Workspace
 
 CPU = torch.device("cpu")
 

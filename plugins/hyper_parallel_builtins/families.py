@@ -15,7 +15,7 @@ left out, or ``None``, is off. The rules are HyperParallel's:
   matrix-only family (Muon, Sinkhorn);
 * ``adamw``'s params are split into a group with the configured weight
   decay and one with ``weight_decay=0`` (biases, scales, vectors outside a
-  norm: :mod:`~hyper_parallel_builtins.param_roles`);
+  norm: :mod:`~hyper_parallel_builtins._param_roles`);
 * ``param_groups`` entries (``{"param_patterns": [...], <options>}``) then
   give some of a family's own params options of their own; an entry that
   selects none of them is an error.
@@ -41,7 +41,7 @@ from hyper_parallel.core.errors import (
 )
 from hyper_parallel.core.options import FAMILY_KEYS, FAMILY_ORDER, did_you_mean, listed
 from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, RegisterFn, get_registry
-from hyper_parallel_builtins.param_roles import NamedParam, named_params, output_head_ids
+from hyper_parallel_builtins._param_roles import NamedParam, named_params, output_head_ids
 
 __all__ = ["by_family"]
 

@@ -4,7 +4,7 @@ A partitioner decides which optimizer gets each trainable param:
 ``fn(model, **options) -> {"muon": [...], "adamw": [...]}``. Values are
 lists of params or param-group dicts. Tied params appear once; frozen params
 are left out. What a norm, an embedding, the head and an undecayed param
-are is :mod:`~hyper_parallel_builtins.param_roles`'s one definition.
+are is :mod:`~hyper_parallel_builtins._param_roles`'s one definition.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from torch import nn
 from hyper_parallel import hookimpl
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.plugin import RegisterFn
-from hyper_parallel_builtins.param_roles import (
+from hyper_parallel_builtins._param_roles import (
     OUTPUT_HEAD_NAMES,
     NamedParam,
     named_params,
     output_head_ids,
 )
 
-__all__ = ["DEFAULT_HEAD_NAMES", "DEFAULT_MUON_KEYS", "by_module", "by_name", "by_shape"]
+__all__ = ["by_module", "by_name", "by_shape"]
 
 #: Module names ``by_shape`` and ``by_module`` take for the output head: HyperParallel's
-#: (:data:`~hyper_parallel_builtins.param_roles.OUTPUT_HEAD_NAMES`) and classifiers'.
+#: (:data:`~hyper_parallel_builtins._param_roles.OUTPUT_HEAD_NAMES`) and classifiers'.
 DEFAULT_HEAD_NAMES: tuple[str, ...] = (
     *OUTPUT_HEAD_NAMES,
     "head",
@@ -93,7 +93,7 @@ def _partition(
 
 def _split_decay(params: list[NamedParam], no_decay: bool) -> list[dict[str, Any]]:
     """The fallback optimizer's groups: decayed, and (optionally) biases, scales and vectors
-    outside norms without decay (:mod:`~hyper_parallel_builtins.param_roles`)."""
+    outside norms without decay (:mod:`~hyper_parallel_builtins._param_roles`)."""
     if not no_decay:
         return [{"params": [p.param for p in params]}] if params else []
     decay = [p.param for p in params if not p.no_decay]

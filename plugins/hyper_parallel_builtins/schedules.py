@@ -35,7 +35,6 @@ from hyper_parallel.core.options import did_you_mean
 from hyper_parallel.core.plugin import RegisterFn
 
 __all__ = [
-    "WSD_DECAY_SHAPES",
     "constant",
     "cosine",
     "cosine_with_restarts",

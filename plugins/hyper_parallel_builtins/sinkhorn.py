@@ -30,7 +30,7 @@ from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer import MatrixOptimizer, momentum_updates
 from hyper_parallel.core.plugin import RegisterFn
 
-__all__ = ["Sinkhorn", "sinkhorn_normalize", "state_dtype"]
+__all__ = ["Sinkhorn"]
 
 
 def state_dtype(param: Tensor) -> torch.dtype:

@@ -36,15 +36,15 @@ from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValu
 from hyper_parallel.core.options import did_you_mean
 from hyper_parallel_builtins.muon._matrices import MATRIX_VIEWS, check_blocks
 from hyper_parallel_builtins.muon._update import MuonSettings, ScaleRule, ns_dtype_of
-from hyper_parallel_builtins.newton_schulz import (
+from hyper_parallel_builtins.newton_schulz._coefficients import (
     COEFFICIENT_SETS,
     KELLER_COEFFICIENTS,
     Coefficients,
     custom_coefficients,
     is_triple,
     resolve_coefficients,
-    resolve_ns_method,
 )
+from hyper_parallel_builtins.newton_schulz._paths import resolve_ns_method
 
 __all__ = [
     "ADJUST_LR_FNS",
