@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
+from test_fsdp_exchange import recording_exchanges
 
 from conftest import TinyLM, counting_newton_schulz, lm_loss
-from hyper_parallel.core.distributed.toolkit import assign_owners, exchange_rounds
 from hyper_parallel.core.optimizer import get_hyper_optimizer
 
 STEPS = 5
@@ -56,27 +56,6 @@ def assert_bitwise_equal(model: torch.nn.Module, other: torch.nn.Module, label: 
         mine = p.to_local() if hasattr(p, "to_local") else p
         theirs = q.to_local() if hasattr(q, "to_local") else q
         assert torch.equal(mine, theirs), f"{label}: {name} differs"
-
-
-def _ns_flops(rows: int, cols: int) -> float:
-    small, large = min(rows, cols), max(rows, cols)
-    return 4 * small * small * large + 2 * small**3
-
-
-@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
-def test_owner_assignment_balances_newton_schulz_flops(world_size: int) -> None:
-    d = 512
-    layer = [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]  # q, k, v, o, up, down
-    costs = [_ns_flops(r, c) for r, c in layer * 4]  # a 24-matrix transformer
-    owners = assign_owners(costs, world_size)
-    loads = [
-        sum(c for c, o in zip(costs, owners, strict=True) if o == rank)
-        for rank in range(world_size)
-    ]
-    mean = sum(costs) / world_size
-    assert max(loads) <= 1.25 * mean, (loads, mean)
-    assert set(owners) == set(range(world_size))
-    assert assign_owners(costs, world_size) == owners  # every rank computes the same
 
 
 def test_overlap_switch_is_read_when_the_backend_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,16 +121,6 @@ def test_a_backend_without_its_own_map_prepared_blocks_prepares_everything_first
     assert calls == [[0, 1]]
     for got, t in zip(results, tensors, strict=True):
         torch.testing.assert_close(got, _blockwise([2 * t])[0])
-
-
-def test_exchange_rounds_give_every_owner_work() -> None:
-    nbytes = [64] * 6 + [32]
-    dtypes = [torch.float32] * 6 + [torch.float64]
-    owners = [0, 1, 0, 1, 1, 0, 1]
-    rounds = exchange_rounds(nbytes, dtypes, owners, 2, bucket_bytes=64)  # one per owner per round
-    assert rounds == [[0, 1], [2, 3], [4, 5], [6]]
-    (whole,) = exchange_rounds(nbytes[:6], dtypes[:6], owners[:6], 2, bucket_bytes=10**9)
-    assert whole == [0, 1, 2, 3, 4, 5]
 
 
 def _batch() -> torch.Tensor:
@@ -376,7 +345,6 @@ def _work_is_spread(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=r"a Partial value is not a matrix yet"):
         FSDPBackend().map_blocks(lambda ts: ts, [partial], [WholeMatrices()])
 
-    _check_prepare_order(mesh, world_size)
     overlapped = _exchange_order(model, overlap=True)
     in_turn = _exchange_order(model, overlap=False)
     exchanges = overlapped.count("exchange")
@@ -391,60 +359,6 @@ def _work_is_spread(rank: int, world_size: int) -> None:
 def _blockwise(blocks: list[torch.Tensor]) -> list[torch.Tensor]:
     """A transform that reads its whole block: a wrong block shows in the result."""
     return [b * b.sum() for b in blocks]
-
-
-def _check_prepare_order(mesh: Any, world_size: int) -> None:
-    """``map_prepared_blocks`` makes what travels first; with overlap, what is held while it travels."""
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from hyper_parallel.core.distributed import RowBlocks, WholeMatrices
-    from hyper_parallel_builtins.fsdp_backend import FSDPBackend
-
-    gen = torch.Generator().manual_seed(3)
-    heads = torch.randn(8 * world_size, 4, generator=gen)  # row shards hold whole 8-row heads
-    moving = torch.randn(6, 5, generator=gen)  # one matrix split over the ranks: travels
-    plain = torch.randn(3, 3, generator=gen)  # a plain tensor: held whole
-    layouts = [distribute_tensor(heads, mesh, [Shard(0)]),
-               distribute_tensor(moving, mesh, [Shard(0)]), plain]  # fmt: skip
-    needs = [RowBlocks((8,) * world_size), WholeMatrices(), WholeMatrices()]
-    expected = [torch.cat(_blockwise(list((2 * heads).split(8)))),
-                _blockwise([2 * moving])[0], _blockwise([2 * plain])[0]]  # fmt: skip
-    for overlap in (True, False):
-        events: list[Any] = []
-
-        def prepare(positions: list[int], events: list[Any] = events) -> list[torch.Tensor]:
-            events.append(sorted(positions))
-            return [2 * layouts[i] for i in positions]
-
-        with recording_exchanges(events):
-            backend = FSDPBackend(overlap=overlap)
-            results = backend.map_prepared_blocks(_blockwise, prepare, layouts, needs)
-        held_after = ["exchange", [0, 2]] if overlap else [[0, 2], "exchange"]
-        assert events == [[1], *held_after, "exchange"], (overlap, events)
-        for got, want in zip(results, expected, strict=True):
-            full = got.full_tensor() if hasattr(got, "full_tensor") else got
-            torch.testing.assert_close(full, want, msg=f"overlap={overlap}")
-
-
-@contextmanager
-def recording_exchanges(events: list[Any]) -> Iterator[None]:
-    """Append ``"exchange"`` to ``events`` at each owner-exchange collective, either transport."""
-    real = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_single")}
-
-    def recording(collective: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            events.append("exchange")
-            return collective(*args, **kwargs)
-
-        return call
-
-    for name, collective in real.items():
-        setattr(dist, name, recording(collective))
-    try:
-        yield
-    finally:
-        for name, collective in real.items():
-            setattr(dist, name, collective)
 
 
 def _exchange_order(model: torch.nn.Module, *, overlap: bool) -> list[str]:

@@ -28,15 +28,9 @@ from hyper_parallel.core.distributed.toolkit import (
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.options import env_switch
 from hyper_parallel.core.plugin import RegisterFn
-from hyper_parallel_builtins.fsdp_backend._exchange import Exchange, Prepared, map_in_place
-from hyper_parallel_builtins.fsdp_backend._plan import (
-    TEAM_SIZE_ENV,
-    ExchangePlan,
-    PlanOptions,
-    Replicas,
-    make_plan,
-    team_size_option,
-)
+from hyper_parallel_builtins.fsdp_backend._exchange import Exchange, Prepared, Step, map_in_place
+from hyper_parallel_builtins.fsdp_backend._plan import TEAM_SIZE_ENV, make_plan
+from hyper_parallel_builtins.fsdp_backend._plan_types import ExchangePlan, PlanOptions, Replicas
 from hyper_parallel_builtins.fsdp_backend.cost import TRANSPORTS, named_profile
 
 if TYPE_CHECKING:
@@ -60,6 +54,25 @@ def _overlap_from_env() -> bool:
         default=True,
         meaning="overlap the owner exchange with the transform, the default",
     )
+
+
+def team_size_option(value: int | str | None) -> int | str:
+    """``team_size`` (or ``$HYPER_PARALLEL_TEAM_SIZE``) as ``"auto"`` or a positive int."""
+    origin = "team_size"
+    if value is None:
+        value, origin = os.environ.get(TEAM_SIZE_ENV) or "auto", TEAM_SIZE_ENV
+    if value == "auto":
+        return value
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or isinstance(value, (bool, float)):
+        raise HyperParallelValueError(
+            f"{origin}={value!r} is not a team size; use 'auto' or a whole number >= 1 "
+            "(1: one owner per matrix)."
+        )
+    return size
 
 
 def _supported(p: torch.Tensor) -> bool:
@@ -189,7 +202,11 @@ class FSDPBackend(ShardingBackend):
         tensors.make([i for i in range(len(layouts)) if i not in in_place])
         out: list[torch.Tensor | None] = [None] * len(layouts)
         exchange = Exchange(fn, team, layouts, tensors.local, needs, out)
-        steps = [(plan, indices, bucket) for indices, plan in plans for bucket in plan.buckets]
+        steps = [
+            Step(plan=plan, positions=indices, bucket=bucket)
+            for indices, plan in plans
+            for bucket in plan.buckets
+        ]
 
         def held_blocks() -> None:
             tensors.make(list(in_place))
@@ -202,6 +219,49 @@ class FSDPBackend(ShardingBackend):
             exchange.in_turn(steps)
         return [r for r in out if r is not None]
 
+    def exchange_plan(
+        self,
+        tensors: Sequence[torch.Tensor],
+        needs: Sequence[Need],
+        *,
+        cost: Callable[[torch.Size], float] | None = None,
+        team: TeamTransform | None = None,
+    ) -> ExchangePlan:
+        """The exchange plan :meth:`map_prepared_blocks` runs for ``tensors``, DTensors of one mesh.
+
+        ``print(plan)`` shows it: per bucket its transport, the bytes this
+        rank sends and receives on each trip, and its params (``#index
+        (shape)``, the index into ``tensors``) by the rank that owns them or
+        the ranks of their team; and the params computed in place. Its
+        fields (``buckets``, ``in_place``, ``team_size``, ...) are the
+        same data, for a test.
+
+        Plans are cached by each tensor's shape, dtype, placements, mesh and
+        need, and the team's dtype. The first call for a layout makes its
+        plan, with one collective that every rank of the mesh must join;
+        later calls, and ``map_blocks`` on the same layout, reuse it. Called
+        after a step with the tensors and needs the optimizer handed over
+        (and its ``team``), it returns the plan that step ran and
+        communicates nothing. ``cost`` and ``team`` are those of
+        :meth:`map_prepared_blocks`; ``cost`` shapes a plan only as it is made.
+
+        Raises:
+            ValueError: a tensor is plain or Partial, or the tensors span
+                several meshes (``map_prepared_blocks`` makes one plan per
+                mesh: ask for each mesh's tensors in turn).
+        """
+        meshes = {t.device_mesh if is_dtensor(t) else None for t in tensors}  # type: ignore[attr-defined]
+        if len(meshes) != 1 or None in meshes:
+            plain = sum(not is_dtensor(t) for t in tensors)
+            raise HyperParallelValueError(
+                f"exchange_plan takes DTensors of one device mesh; got {plain} plain tensors "
+                f"and DTensors on {len(meshes - {None})} meshes. map_prepared_blocks makes one "
+                "plan per mesh: ask for each mesh's DTensors in turn."
+            )
+        for t in tensors:
+            check_not_partial(t)
+        return self._plan(tensors, needs, list(range(len(tensors))), cost, team)
+
     def _plan(
         self,
         tensors: Sequence[torch.Tensor],
@@ -210,21 +270,29 @@ class FSDPBackend(ShardingBackend):
         cost: Callable[[torch.Size], float] | None,
         team: TeamTransform | None,
     ) -> ExchangePlan:
+        """The plan of ``tensors[indices]`` (one mesh's): the cached one, else made now."""
         dts = [cast("DTensor", tensors[i]) for i in indices]
-        layout = [(t.shape, t.dtype, t.placements, t.device_mesh, needs[i])
-                  for t, i in zip(dts, indices, strict=True)]  # fmt: skip
+        layout = [
+            (t.shape, t.dtype, t.placements, t.device_mesh, needs[i])
+            for t, i in zip(dts, indices, strict=True)
+        ]
         key = (*layout, team.dtype if team else None)
         plan = self._plans.get(key)
         if plan is None:
             group, replicas = self._groups(dts)
+            options = PlanOptions(
+                transport=self.transport,
+                team_size=self.team_size,
+                team=team,
+                team_size_origin=self._team_size_origin,
+                profile=self._profile,
+            )
             plan = self._plans[key] = make_plan(
                 group,
                 [tensors[i] for i in indices],
                 [needs[i] for i in indices],
                 cost,
-                PlanOptions(
-                    self.transport, self.team_size, team, self._team_size_origin, self._profile
-                ),
+                options,
                 self._teams,
                 replicas,
             )
@@ -255,10 +323,13 @@ class FSDPBackend(ShardingBackend):
             return group, None
         rows = {int(r): q for q, row in enumerate(mesh.mesh.tolist()) for r in row}
         return group, Replicas(
-            count=mesh.size(0), shards=mesh.size(1),
-            size="auto" if size is None else size, origin="hsdp_replica_count",
-            split=functools.partial(self._split, mesh), row_of=rows.__getitem__,
-        )  # fmt: skip
+            count=mesh.size(0),
+            shards=mesh.size(1),
+            size="auto" if size is None else size,
+            origin="hsdp_replica_count",
+            split=functools.partial(self._split, mesh),
+            row_of=rows.__getitem__,
+        )
 
     def _split(self, mesh: DeviceMesh, size: int) -> tuple[ProcessGroup, ProcessGroup | None]:
         """This rank's group of ``size`` consecutive replicas of ``mesh``, and its column in it.

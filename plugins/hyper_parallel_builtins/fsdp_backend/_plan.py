@@ -1,13 +1,14 @@
-"""The exchange plan: who holds, owns, sends and receives what, in which bucket.
+"""Making the exchange plan: who holds, owns, sends and receives what, in which bucket.
 
 It depends only on the params' shapes and placements: made once, with one
-collective, and reused every step.
+collective, and reused every step. What a plan holds, and its printed form:
+``fsdp_backend/_plan_types.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,8 +32,24 @@ from hyper_parallel.core.distributed.toolkit import (
     gather_layouts,
 )
 from hyper_parallel.core.errors import HyperParallelValueError
+from hyper_parallel_builtins.fsdp_backend._plan_types import (
+    BACK,
+    OWN,
+    SPREAD,
+    Assembly,
+    Assignment,
+    Bucket,
+    ExchangePlan,
+    Landing,
+    Leg,
+    Outgoing,
+    Piece,
+    PlanOptions,
+    RegionPiece,
+    Replicas,
+    Work,
+)
 from hyper_parallel_builtins.fsdp_backend.cost import (
-    DeviceProfile,
     Trip,
     choose_replica_group,
     choose_team_size,
@@ -51,103 +68,15 @@ TEAM_SIZE_ENV = "HYPER_PARALLEL_TEAM_SIZE"
 
 #: Buckets the owner exchange is cut into, each giving every owner about this share of
 #: its work: the first bucket's trip to its owners and the last one's trip back are what
-#: overlap cannot hide. A bucket holds at least ``MIN_BUCKET_BYTES`` (each exchange has
-#: a fixed cost, about 0.5 ms with gloo) and at most a quarter of ``DEFAULT_BUCKET_BYTES``
-#: per owner (up to three buckets are in flight at once).
+#: overlap cannot hide. A bucket holds at least ``MIN_BUCKET_BYTES`` and at most a
+#: quarter of ``DEFAULT_BUCKET_BYTES`` per owner (up to four buckets are in flight at
+#: once: ``Exchange.overlapped``).
 OVERLAP_BUCKETS = 4
 
-#: Fewest bytes of whole tensors per owner in a bucket (a smaller total is one bucket).
+#: Fewest bytes of whole tensors per owner in a bucket (a smaller total is one bucket):
+#: each exchange has a fixed cost, which a smaller bucket would pay for too few bytes
+#: (measured: docs/benchmarks.md, "The FSDP backend's constants").
 MIN_BUCKET_BYTES = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The part of a work's region that one distinct holder layout covers, and who sends it."""
-
-    part: Layout  # global indices, in the holder's order
-    holder: Layout  # the holder's layout
-    sender: int
-
-
-@dataclass(frozen=True)
-class Work:
-    """One rank's share of one param's transform: all of it (its owner) or a slice (a team member)."""
-
-    index: int  # into the mesh's tensors
-    member: int  # rank in the exchange group that computes it
-    region: Layout  # the indices it computes
-    pieces: tuple[Piece, ...]
-    parts: tuple[Layout, ...]  # by rank: what of the region that rank holds, and gets back
-
-
-#: Where a piece goes in the region; where it is in this rank's shard (sent by this
-#: rank) or its global indices (received); its sender, -1 for this rank; its offset
-#: in what that sender sends.
-_Source = tuple[Layout, Layout, int, int]
-
-
-@dataclass(frozen=True)
-class Assembly:
-    """How this rank builds the region of one param it computes, from its shard and what arrives."""
-
-    index: int
-    region: Layout
-    parts: tuple[_Source, ...]
-
-
-#: Where a landing's data comes from: this rank's own result, the trip back from the
-#: member that computed it, or the spread from the replica row that did.
-OWN, BACK, SPREAD = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class Landing:
-    """Where one part of a result lands in this rank's shard, and where it comes from."""
-
-    index: int
-    into: Layout  # where in this rank's shard
-    source: int  # OWN, BACK or SPREAD
-    peer: int  # BACK: the member that computed it; SPREAD: the column rank whose row did
-    offset: int  # into what that peer sends here
-    out_of: Layout | None  # OWN: where in this rank's own result
-
-
-@dataclass(frozen=True)
-class Leg:
-    """One trip of a bucket as this rank sees it."""
-
-    sends: tuple[int, ...]  # elements this rank sends each rank
-    gets: tuple[int, ...]  # elements each rank sends this rank
-    starts: tuple[int, ...]  # all_gather: where each rank's part for this one starts in its data
-    width: int  # all_gather: every rank's contribution, padded to the longest
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """What this rank sends, receives, transforms and gets back for one bucket of params."""
-
-    send: tuple[tuple[tuple[int, Layout], ...], ...]  # by rank: (index, where in my shard)
-    owned: tuple[Assembly, ...]  # the regions this rank computes in the bucket
-    back: tuple[tuple[tuple[int, Layout], ...], ...]  # by rank: (index, where in my result)
-    land: tuple[Landing, ...]
-    legs: tuple[Leg, Leg]  # to the members, and back
-    transport: str  # how both trips travel (hyper_parallel_builtins.fsdp_backend.cost)
-    like: int  # the index of a param in the bucket (dtype and device of the buffers)
-    empty: tuple[int, ...]  # the params of the bucket this rank holds nothing of
-    spread: tuple[int, ...]  # by column rank: elements its row's results give the others
-
-
-@dataclass(frozen=True)
-class ExchangePlan:
-    """What every rank of one mesh does with that mesh's params."""
-
-    group: ProcessGroup
-    rank: int
-    mine: tuple[Layout, ...]  # this rank's layout of each tensor
-    in_place: tuple[int, ...]
-    buckets: tuple[Bucket, ...]
-    team: ProcessGroup | None  # this rank's team, where matrices are shared by teams
-    column: ProcessGroup | None  # this rank's replicas in its group, where rows share the work
 
 
 # -- the plan ------------------------------------------------------------------------
@@ -158,55 +87,6 @@ def _block_shapes(shape: torch.Size, need: Need) -> list[torch.Size]:
         return [shape]
     dim = need.batch_dims
     return [torch.Size((*shape[:dim], h, *shape[dim + 1 :])) for h in need.heights]
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """How a plan is made: the transport, the team size, and the team transform."""
-
-    transport: str
-    team_size: int | str
-    team: TeamTransform | None
-    team_size_origin: str = "team_size"  # or the environment variable it came from
-    profile: DeviceProfile | None = None  # the file HYPER_PARALLEL_DEVICE_PROFILE named, if any
-
-
-def team_size_option(value: int | str | None) -> int | str:
-    """``team_size`` (or ``$HYPER_PARALLEL_TEAM_SIZE``) as ``"auto"`` or a positive int."""
-    origin = "team_size"
-    if value is None:
-        value, origin = os.environ.get(TEAM_SIZE_ENV) or "auto", TEAM_SIZE_ENV
-    if value == "auto":
-        return value
-    try:
-        size = int(value)
-    except (TypeError, ValueError):
-        size = 0
-    if size < 1 or isinstance(value, (bool, float)):
-        raise HyperParallelValueError(
-            f"{origin}={value!r} is not a team size; use 'auto' or a whole number >= 1 "
-            "(1: one owner per matrix)."
-        )
-    return size
-
-
-@dataclass(frozen=True)
-class Replicas:
-    """An HSDP layout's replicas: ``count`` rows of the mesh, each holding every shard once.
-
-    ``size`` is how many consecutive replicas share the work (an int, or
-    ``"auto"``), from ``origin``. ``split(g)`` gives this rank's group of
-    ``g`` replicas (their ranks, in any order) and its column in that group
-    (the ``g`` ranks that hold its shard; ``None`` for ``g == 1``);
-    ``row_of`` the replica (mesh row) of each global rank.
-    """
-
-    count: int
-    shards: int
-    size: int | str
-    origin: str
-    split: Callable[[int], tuple[ProcessGroup, ProcessGroup | None]]
-    row_of: Callable[[int], int]
 
 
 def make_plan(
@@ -223,48 +103,88 @@ def make_plan(
     in_place = tuple(
         i for i, t in enumerate(tensors) if blocks_in_place(needs[i], t.shape, layouts[i])
     )
-    moving = [i for i in range(len(tensors)) if i not in in_place]
-    measure = cost or (lambda shape: float(math.prod(shape)))
-    costs = [sum(measure(s) for s in _block_shapes(tensors[i].shape, needs[i])) for i in moving]
-    travelling = _Moving([tensors[i] for i in moving], [needs[i] for i in moving], costs)
-    rows: list[int] = [0] * dist.get_world_size(group)
-    column: ProcessGroup | None = None
-    column_rows: tuple[int, ...] = ()
-    if replicas is not None and moving:
-        count = _replica_group_size(replicas, travelling, group, options)
-        group, column, rows, column_rows = _replica_group(replicas, count)
-        members = dist.get_process_group_ranks(group)
+    moving = _moving(tensors, needs, in_place, cost)
+    rows = [0] * dist.get_world_size(group)
+    where = _Where(group, column=None, me=dist.get_rank(group), rows=rows, column_rows=())
+    if replicas is not None and moving.indices:
+        where = _replica_group(replicas, _replica_group_size(replicas, moving, group, options))
+        members = dist.get_process_group_ranks(where.group)
         layouts = [[lay[r] for r in members] for lay in layouts]
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    size = _team_size(travelling, group, options)
-    team = options.team
-    if size > 1:
-        assert team is not None
-        costs = [team.cost(tensors[i].shape, size) for i in moving]
-    owners = assign_owners(costs, world // size, rows=len(set(rows)))
-    works = [
-        _works(i, tensors[i].shape, owner, size, layouts[i], team, rows)
-        for i, owner in zip(moving, owners, strict=True)
-    ]
-    nbytes = [tensors[i].numel() * tensors[i].element_size() // size for i in moving]
-    dtypes = [tensors[i].dtype for i in moving]
-    rounds = exchange_rounds(
-        nbytes, dtypes, owners, world // size, bucket_bytes(nbytes, owners, world // size)
+    size = _team_size(moving, where.group, options)
+    mine = tuple(layouts[i][where.me] for i in range(len(tensors)))
+    return ExchangePlan(
+        group=where.group,
+        rank=where.me,
+        mine=mine,
+        in_place=in_place,
+        buckets=_buckets(tensors, moving, layouts, mine, size, where, options),
+        team=_team_group(where.group, where.me, size, teams),
+        column=where.column,
+        shapes=tuple(t.shape for t in tensors),
+        team_size=size,
     )
-    mine = tuple(layouts[i][rank] for i in range(len(tensors)))
-    where = _Where(rank, rows, column_rows)
-    buckets = tuple(
+
+
+def _moving(
+    tensors: list[torch.Tensor],
+    needs: list[Need],
+    in_place: tuple[int, ...],
+    cost: Callable[[torch.Size], float] | None,
+) -> _Moving:
+    """The tensors that are not in place, with the cost of each one's blocks."""
+    indices = [i for i in range(len(tensors)) if i not in in_place]
+    measure = cost or (lambda shape: float(math.prod(shape)))
+    costs = [sum(measure(s) for s in _block_shapes(tensors[i].shape, needs[i])) for i in indices]
+    return _Moving(
+        indices=indices,
+        tensors=[tensors[i] for i in indices],
+        needs=[needs[i] for i in indices],
+        costs=costs,
+    )
+
+
+def _buckets(
+    tensors: list[torch.Tensor],
+    moving: _Moving,
+    layouts: list[list[Layout]],
+    mine: tuple[Layout, ...],
+    size: int,
+    where: _Where,
+    options: PlanOptions,
+) -> tuple[Bucket, ...]:
+    """Owners (or teams) for the moving tensors, their works, and the buckets they travel in."""
+    owners_count = len(where.rows) // size
+    costs = moving.costs
+    if size > 1:
+        assert options.team is not None
+        costs = [options.team.cost(t.shape, size) for t in moving.tensors]
+    owners = assign_owners(costs, owners_count, rows=len(set(where.rows)))
+    works = [
+        _works(i, tensors[i].shape, owner, size, layouts[i], options.team, where.rows)
+        for i, owner in zip(moving.indices, owners, strict=True)
+    ]
+    nbytes = [t.numel() * t.element_size() // size for t in moving.tensors]
+    dtypes = [t.dtype for t in moving.tensors]
+    per_owner = bucket_bytes(nbytes, owners, owners_count)
+    rounds = exchange_rounds(nbytes, dtypes, owners, owners_count, per_owner)
+    return tuple(
         _bucket([w for k in round_ for w in works[k]], tensors, mine, where, options)
         for round_ in rounds
     )
-    return ExchangePlan(
-        group, rank, mine, in_place, buckets, _team_group(group, rank, size, teams), column
-    )
 
 
-def _replica_group(
-    replicas: Replicas, count: int
-) -> tuple[ProcessGroup, ProcessGroup | None, list[int], tuple[int, ...]]:
+@dataclass(frozen=True)
+class _Where:
+    """This rank among the ranks a plan is made over: its exchange group, column and rank."""
+
+    group: ProcessGroup
+    column: ProcessGroup | None  # this rank's replicas in the group; None: one row computes all
+    me: int  # this rank in the group
+    rows: list[int]  # by rank of the group: its replica row
+    column_rows: tuple[int, ...]  # by rank of the column: its replica row
+
+
+def _replica_group(replicas: Replicas, count: int) -> _Where:
     """This rank's group of ``count`` replicas, its column, and the row of each of their ranks."""
     group, column = replicas.split(count)
     members = dist.get_process_group_ranks(group)
@@ -275,13 +195,15 @@ def _replica_group(
         column_rows = tuple(
             replicas.row_of(r) - first for r in dist.get_process_group_ranks(column)
         )
-    return group, column, rows, column_rows
+    me = dist.get_rank(group)
+    return _Where(group=group, column=column, me=me, rows=rows, column_rows=column_rows)
 
 
 @dataclass(frozen=True)
 class _Moving:
     """The tensors a plan sends to owners: their needs and the cost of each one's work."""
 
+    indices: list[int]  # into the plan's tensors
     tensors: list[torch.Tensor]
     needs: list[Need]
     costs: list[float]
@@ -314,11 +236,16 @@ def _replica_group_size(
     auto = options.team_size == "auto"
     like = moving.tensors[0]
     chosen = choose_replica_group(
-        [t.shape for t in moving.tensors], moving.costs,
-        options.team if moving.whole and auto else None, replicas.shards, count,
-        device_profile(like.device.type, options.profile), _node_size(group), like.element_size(),
-        1 if auto else int(options.team_size),
-    )  # fmt: skip
+        shapes=[t.shape for t in moving.tensors],
+        whole_flops=moving.costs,
+        team=options.team if moving.whole and auto else None,
+        shards=replicas.shards,
+        replicas=count,
+        profile=device_profile(like.device.type, options.profile),
+        node_size=_node_size(group),
+        element_size=like.element_size(),
+        team_size=1 if auto else int(options.team_size),
+    )
     return _agreed(chosen, group)
 
 
@@ -413,41 +340,127 @@ def _works(
     Each distinct part of a region is sent once: by the member if it holds
     it, else by a holder in the member's replica row (``rows``: each rank's).
     """
-    whole = Layout.whole(shape)
-    regions = [(owner, whole)]
-    if size > 1:
-        dim = team.split_dim(shape) if team else None
-        assert dim is not None
-        n = shape[dim]
-        regions = [
-            (owner * size + k, whole.region(dim, k * n // size, (k + 1) * n // size))
-            for k in range(size)
-        ]
+    regions = _regions(shape, owner, size, team)
     holders: dict[Layout, list[int]] = {}
     for rank, layout in enumerate(layouts):
         if layout.numel:
             holders.setdefault(layout, []).append(rank)
     works = []
-    for member, region in regions:
+    for member, region in regions.items():
         cut = {layout: layout.intersect(region) for layout in dict.fromkeys(layouts)}
-        pieces = []
+        arrivals = []
         for lay, ranks in holders.items():
             if not cut[lay].numel:
                 continue
             near = [r for r in ranks if rows[r] == rows[member]] or ranks
             sender = member if layouts[member] == lay else near[index % len(near)]
-            pieces.append(Piece(cut[lay], lay, sender))
-        works.append(Work(index, member, region, tuple(pieces), tuple(cut[lay] for lay in layouts)))
+            arrivals.append(Piece(part=cut[lay], holder=lay, sender=sender))
+        held_by = tuple(cut[lay] for lay in layouts)
+        works.append(Work(index, member, region, arrivals=tuple(arrivals), held_by=held_by))
     return works
 
 
-@dataclass(frozen=True)
-class _Where:
-    """This rank in its exchange group: its rank, each rank's replica row, each column rank's."""
+def _regions(
+    shape: torch.Size, owner: int, size: int, team: TeamTransform | None
+) -> dict[int, Layout]:
+    """By member: the whole param for ``owner``, or each team member's band of its split dim."""
+    whole = Layout.whole(shape)
+    if size == 1:
+        return {owner: whole}
+    dim = team.split_dim(shape) if team else None
+    assert dim is not None
+    n = shape[dim]
+    return {
+        owner * size + k: whole.region(dim, k * n // size, (k + 1) * n // size) for k in range(size)
+    }
 
-    me: int
-    rows: list[int]
-    column_rows: tuple[int, ...]  # empty where one row computes everything
+
+@dataclass
+class _Tally:
+    """This rank's lists of one bucket, growing work by work in the bucket's order.
+
+    Both trips and the spread list each rank's data work by work, so each
+    part's offset is what was listed for its peer before it.
+    """
+
+    where: _Where
+    column: dict[int, int]  # by replica row: its rank in this rank's column
+    send: list[list[Outgoing]]  # by member: what of this rank's shard goes to it
+    sends: list[int]  # by member: elements this rank sends it
+    arriving: list[int]  # by rank: elements it sends this rank, to the regions this rank computes
+    owned: list[Assembly]
+    back: list[list[Outgoing]]  # by rank: what of this rank's results goes back to it
+    returning: list[int]  # by member: elements it returns this rank
+    land: list[Landing]
+    spread: list[int]  # by column rank: elements its row's results give the others
+
+    @classmethod
+    def start(cls, where: _Where) -> _Tally:
+        world = len(where.rows)
+        return cls(
+            where=where,
+            column={row: k for k, row in enumerate(where.column_rows)},
+            send=[[] for _ in range(world)],
+            sends=[0] * world,
+            arriving=[0] * world,
+            owned=[],
+            back=[[] for _ in range(world)],
+            returning=[0] * world,
+            land=[],
+            spread=[0] * len(where.column_rows),
+        )
+
+    def take(self, work: Work, mine: Layout) -> None:
+        """List what this rank does for ``work``: computes, sends, returns and keeps of it."""
+        me, rows = self.where.me, self.where.rows
+        if work.member == me:
+            self.owned.append(_assembly(work, me, self.arriving))
+            for rank, part in enumerate(work.held_by):
+                if rank != me and part.numel and rows[rank] == rows[me]:
+                    self.back[rank].append(Outgoing(work.index, work.region.locate(part)))
+        for piece in work.arrivals:
+            if piece.sender == me and work.member != me:
+                where = piece.holder.locate(piece.part)
+                self.send[work.member].append(Outgoing(work.index, where))
+                self.sends[work.member] += piece.part.numel
+        if work.held_by[me].numel:
+            self._land(work, mine)
+
+    def leg_to_members(self, works: list[Work], width: int) -> Leg:
+        """The trip to the members as this rank sees it, once every work is taken."""
+        starts = _starts_to_members(works, self.where.me, len(self.where.rows))
+        return Leg(
+            sends=tuple(self.sends), gets=tuple(self.arriving), starts=tuple(starts), width=width
+        )
+
+    def leg_back(self, works: list[Work], width: int) -> Leg:
+        """The trip back as this rank sees it, once every work is taken."""
+        sends = tuple(sum(o.where.numel for o in to) for to in self.back)
+        starts = tuple(_starts_back(works, self.where))
+        return Leg(sends=sends, gets=tuple(self.returning), starts=starts, width=width)
+
+    def _land(self, work: Work, mine: Layout) -> None:
+        """Where this rank's part of ``work``'s result lands, and which trip brings it."""
+        me, row = self.where.me, self.where.rows[work.member]
+        part = work.held_by[me]
+        into = mine.locate(part)
+        lands = functools.partial(Landing, index=work.index, into=into)
+        if self.column:
+            peer = self.column[row]
+            elsewhere = row != self.where.rows[me]  # another replica row computed it
+            if elsewhere:
+                offset = self.spread[peer]
+                self.land.append(lands(source=SPREAD, peer=peer, offset=offset, out_of=None))
+            self.spread[peer] += part.numel
+            if elsewhere:
+                return
+        if work.member == me:
+            out_of = work.region.locate(part)
+            self.land.append(lands(source=OWN, peer=me, offset=0, out_of=out_of))
+        else:
+            member, offset = work.member, self.returning[work.member]
+            self.land.append(lands(source=BACK, peer=member, offset=offset, out_of=None))
+            self.returning[member] += part.numel
 
 
 def _bucket(
@@ -461,105 +474,101 @@ def _bucket(
 
     A member returns each part of its result only to the ranks of its own
     replica row; the other rows get theirs in the spread, an all-gather
-    over the column of replicas. Both trips and the spread list each rank's
-    data work by work, in the bucket's order. ``transport="auto"`` takes
-    the one the cost model predicts faster for these trips on this device
-    (every rank predicts the same).
+    over the column of replicas. ``transport="auto"`` takes the one the cost
+    model predicts faster for these trips on this device (every rank
+    predicts the same).
     """
-    me, rows = where.me, where.rows
-    world = len(rows)
-    send: list[list[tuple[int, Layout]]] = [[] for _ in range(world)]
-    sends, recv_sizes, back_sizes = [0] * world, [0] * world, [0] * world
-    owned: list[Assembly] = []
-    back: list[list[tuple[int, Layout]]] = [[] for _ in range(world)]
-    land: list[Landing] = []
-    column = {row: k for k, row in enumerate(where.column_rows)}
-    spread = [0] * len(column)
+    tally = _Tally.start(where)
     for work in works:
-        row = rows[work.member]
-        if work.member == me:
-            owned.append(_assembly(work, me, recv_sizes))
-            for rank, part in enumerate(work.parts):
-                if rank != me and part.numel and rows[rank] == row:
-                    back[rank].append((work.index, work.region.locate(part)))
-        for piece in work.pieces:
-            if piece.sender == me and work.member != me:
-                send[work.member].append((work.index, piece.holder.locate(piece.part)))
-                sends[work.member] += piece.part.numel
-        part = work.parts[me]
-        if not part.numel:
-            continue
-        into = mine[work.index].locate(part)
-        if column:
-            source = column[row]
-            if row != rows[me]:
-                land.append(Landing(work.index, into, SPREAD, source, spread[source], None))
-            spread[source] += part.numel
-            if row != rows[me]:
-                continue
-        if work.member == me:
-            land.append(Landing(work.index, into, OWN, me, 0, work.region.locate(part)))
-        else:
-            member = work.member
-            land.append(Landing(work.index, into, BACK, member, back_sizes[member], None))
-            back_sizes[member] += part.numel
-    returns = [sum(w.numel for _, w in to) for to in back]
-    legs, trips = _legs(works, where, (sends, recv_sizes), (returns, back_sizes))
+        tally.take(work, mine[work.index])
+    to_trip, back_trip = _trips(works, where)
     like = tensors[works[0].index]
     transport = options.transport
     if transport == "auto":
         profile = device_profile(like.device.type, options.profile)
-        transport = choose_transport(trips, like.element_size(), profile)
+        transport = choose_transport([to_trip, back_trip], like.element_size(), profile)
     return Bucket(
-        tuple(map(tuple, send)), tuple(owned), tuple(map(tuple, back)), tuple(land), legs,
-        transport, works[0].index,
-        tuple(dict.fromkeys(w.index for w in works if not mine[w.index].numel)), tuple(spread),
-    )  # fmt: skip
+        send=tuple(map(tuple, tally.send)),
+        owned=tuple(tally.owned),
+        back=tuple(map(tuple, tally.back)),
+        land=tuple(tally.land),
+        to_members=tally.leg_to_members(works, to_trip.width),
+        from_members=tally.leg_back(works, back_trip.width),
+        transport=transport,
+        like=works[0].index,
+        empty=tuple(dict.fromkeys(w.index for w in works if not mine[w.index].numel)),
+        spread=tuple(tally.spread),
+        assigned=_assigned(works),
+        element_size=like.element_size(),
+    )
 
 
-def _assembly(work: Work, me: int, recv_sizes: list[int]) -> Assembly:
-    """Where each piece of ``work``'s region comes from; advances ``recv_sizes`` by what arrives."""
-    parts = []
-    for piece in work.pieces:
-        where = work.region.locate(piece.part)
+def _assigned(works: list[Work]) -> tuple[Assignment, ...]:
+    """Each param of the works, in order, and the members that compute it."""
+    members: dict[int, list[int]] = {}
+    for work in works:
+        members.setdefault(work.index, []).append(work.member)
+    return tuple(Assignment(index=i, members=tuple(m)) for i, m in members.items())
+
+
+def _assembly(work: Work, me: int, arriving: list[int]) -> Assembly:
+    """Where each piece of ``work``'s region comes from; advances ``arriving`` by what arrives."""
+    pieces = []
+    for piece in work.arrivals:
+        into = work.region.locate(piece.part)
         if piece.sender == me:
-            parts.append((where, piece.holder.locate(piece.part), -1, 0))
+            in_shard = piece.holder.locate(piece.part)
+            pieces.append(RegionPiece(into=into, sender=me, in_shard=in_shard, offset=0))
         else:
-            parts.append((where, piece.part, piece.sender, recv_sizes[piece.sender]))
-            recv_sizes[piece.sender] += piece.part.numel
-    return Assembly(work.index, work.region, tuple(parts))
+            offset = arriving[piece.sender]
+            pieces.append(RegionPiece(into=into, sender=piece.sender, in_shard=None, offset=offset))
+            arriving[piece.sender] += piece.part.numel
+    return Assembly(index=work.index, region=work.region, pieces=tuple(pieces))
 
 
 def returned_parts(work: Work, rows: list[int]) -> torch.Tensor:
     """Elements of ``work``'s result its member returns to each rank: its own row's parts."""
     row = rows[work.member]
-    return torch.tensor([lay.numel if rows[r] == row else 0 for r, lay in enumerate(work.parts)])
+    return torch.tensor([lay.numel if rows[r] == row else 0 for r, lay in enumerate(work.held_by)])
 
 
-def _legs(
-    works: list[Work],
-    where: _Where,
-    to_members: tuple[list[int], list[int]],
-    back: tuple[list[int], list[int]],
-) -> tuple[tuple[Leg, Leg], tuple[Trip, Trip]]:
-    """Both trips as this rank sees them (``(sends, gets)`` of each), and as the cost model does."""
-    me, world = where.me, len(where.rows)
-    pieces = [[(p.sender, p.part.numel) for p in work.pieces] for work in works]
-    parts = [returned_parts(work, where.rows) for work in works]
-    trips = exchange_trips(
-        [(work.member, ps, pa) for work, ps, pa in zip(works, pieces, parts, strict=True)], world
-    )
-    # all_gather: each rank's data is its parts in rank order; mine starts after the lower ranks'
-    to_start, back_start = [0] * world, [0] * world
-    for work, ps, pa in zip(works, pieces, parts, strict=True):
+def _trips(works: list[Work], where: _Where) -> tuple[Trip, Trip]:
+    """Both trips of a bucket as the cost model sees them: to the members, and back."""
+    items = [
+        (
+            work.member,
+            [(piece.sender, piece.part.numel) for piece in work.arrivals],
+            returned_parts(work, where.rows),
+        )
+        for work in works
+    ]
+    return exchange_trips(items, len(where.rows))
+
+
+def _starts_to_members(works: list[Work], me: int, world: int) -> list[int]:
+    """Where each rank's pieces for this rank start in its data, for an ``all_gather`` trip.
+
+    A rank's data is its pieces in member order: this rank's start after
+    those it sends the lower ranks.
+    """
+    starts = [0] * world
+    for work in works:
         if work.member < me:
-            for sender, numel in ps:
-                if sender != work.member:
-                    to_start[sender] += numel
-        below = int(pa[:me].sum()) - (int(pa[work.member]) if work.member < me else 0)
-        back_start[work.member] += below
-    legs = (
-        Leg(tuple(to_members[0]), tuple(to_members[1]), tuple(to_start), trips[0].width),
-        Leg(tuple(back[0]), tuple(back[1]), tuple(back_start), trips[1].width),
-    )
-    return legs, trips
+            for piece in work.arrivals:
+                if piece.sender != work.member:
+                    starts[piece.sender] += piece.part.numel
+    return starts
+
+
+def _starts_back(works: list[Work], where: _Where) -> list[int]:
+    """Where each member's parts for this rank start in its data, for an ``all_gather`` back.
+
+    A member's data is the parts it returns, in rank order: this rank's
+    start after those it returns the lower ranks (not itself).
+    """
+    me, starts = where.me, [0] * len(where.rows)
+    for work in works:
+        returned = returned_parts(work, where.rows)
+        below = int(returned[:me].sum()) - (int(returned[work.member]) if work.member < me else 0)
+        starts[work.member] += below
+    return starts

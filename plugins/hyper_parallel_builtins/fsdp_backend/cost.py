@@ -189,8 +189,9 @@ class DeviceProfile:
         return cost
 
 
-#: Measured on 2 CPU cores (AVX2, no native bf16), gloo over loopback, 2 processes of
-#: 1 thread: ``python -m benchmarks.scale --calibrate --profile cpu.json``.
+#: The profile of a CPU with gloo, built in: what ``auto`` predicts with when no file is
+#: named. Its figures come from ``python -m benchmarks.scale --calibrate`` (measured:
+#: docs/benchmarks.md, "The FSDP backend's constants", which names the machine).
 _CPU_GLOO = DeviceProfile(
     name="cpu-gloo",
     all_to_all=LinkCost(latency_s=5.9e-4, seconds_per_byte=8.4e-10),
@@ -297,10 +298,15 @@ def exchange_trips(
         sources += mask.long()
         reach[owner] = int(mask.sum())
     to_owners = Trip(
-        torch.tensor(to_sent), torch.tensor(to_received),
-        torch.tensor([to_peers[r] for r in range(world)], dtype=torch.int64),
-    )  # fmt: skip
-    back = Trip(torch.tensor(back_sent), back_received, torch.maximum(reach, sources))
+        sent=torch.tensor(to_sent),
+        received=torch.tensor(to_received),
+        peers=torch.tensor([to_peers[r] for r in range(world)], dtype=torch.int64),
+    )
+    back = Trip(
+        sent=torch.tensor(back_sent),
+        received=back_received,
+        peers=torch.maximum(reach, sources),
+    )
     return to_owners, back
 
 
@@ -492,10 +498,18 @@ def choose_replica_group(
     if not sizes:
         return replicas
     seconds = {
-        g: replica_group_seconds(shapes, whole_flops, team, shards, g, profile, node_size,
-                                 element_size)
+        g: replica_group_seconds(
+            shapes=shapes,
+            whole_flops=whole_flops,
+            team=team,
+            shards=shards,
+            replicas=g,
+            profile=profile,
+            node_size=node_size,
+            element_size=element_size,
+        )
         for g in sizes
-    }  # fmt: skip
+    }
     return min(sizes, key=lambda g: (seconds[g], g))
 
 
