@@ -19,6 +19,7 @@ path the table in ``newton_schulz._paths`` chose for it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -32,29 +33,42 @@ from benchmarks.common import (
     interleaved_medians,
     transformer_shapes,
 )
+from hyper_parallel_builtins.newton_schulz._coefficients import ASYM5_COEFFICIENTS
+from hyper_parallel_builtins.newton_schulz._iterate import newton_schulz_batched
+from hyper_parallel_builtins.newton_schulz._paths import PER_MATRIX_FROM, StackPath, cpu_path
+from hyper_parallel_builtins.newton_schulz._workspace import Workspace
 
 __all__ = ["case_paths"]
+
+
+class _ForcedPaths(Workspace):
+    """A workspace whose stacks take one given path: batched or per matrix, ``P`` read or not transposed.
+
+    Per matrix applies, as in the library, from :data:`PER_MATRIX_FROM` rows and columns.
+    """
+
+    def __init__(self, per_matrix: bool, transposed: bool) -> None:
+        super().__init__()
+        self.per_matrix, self.transposed = per_matrix, transposed
+
+    def path(
+        self, method: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+    ) -> StackPath:
+        chosen = super().path(method, rows, cols, dtype, device)
+        per = self.per_matrix and min(rows, cols) >= PER_MATRIX_FROM
+        return dataclasses.replace(chosen, per_matrix=per, poly_transposed=self.transposed)
 
 
 def _runner(
     buckets: list[list[torch.Tensor]], dtype: torch.dtype, per_matrix: bool, transposed: bool
 ) -> Callable[[], None]:
-    import hyper_parallel_builtins.newton_schulz._iterate as ns
-    from hyper_parallel_builtins.newton_schulz import ASYM5_COEFFICIENTS, Workspace
-
-    path = ns.CpuPath(per_matrix=per_matrix, poly_transposed=transposed, measured="benchmark")
-    ws = Workspace()
+    ws = _ForcedPaths(per_matrix, transposed)
 
     def run() -> None:
-        chosen = ns.cpu_path
-        ns.cpu_path = lambda *args, **kwargs: path  # type: ignore[assignment]
-        try:
-            for matrices in buckets:
-                ns.newton_schulz_batched(
-                    matrices, ASYM5_COEFFICIENTS, dtype=dtype, method="standard", workspace=ws
-                )
-        finally:
-            ns.cpu_path = chosen
+        for matrices in buckets:
+            newton_schulz_batched(
+                matrices, ASYM5_COEFFICIENTS, dtype=dtype, method="standard", workspace=ws
+            )
 
     return run
 
@@ -62,7 +76,6 @@ def _runner(
 def case_paths(settings: Settings) -> Iterator[Row]:
     from hyper_parallel.core.compat import cpu_kind
     from hyper_parallel_builtins.muon import default_ns_dtype
-    from hyper_parallel_builtins.newton_schulz import cpu_path
 
     kind = cpu_kind()
     dtypes = dict.fromkeys([default_ns_dtype(torch.empty(0)), torch.float32])

@@ -288,3 +288,13 @@ def test_benchmark_modules_import_each_other_at_module_top() -> None:
         if not at_top
     ]
     assert not inside, inside
+
+
+def test_the_paths_case_times_each_newton_schulz_path_and_names_the_chosen_one() -> None:
+    result = _bench("--cases", "paths", "--dims", "32", "--layers", "1", "--repeats", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| Newton-Schulz paths")]
+    assert {"per matrix, P @ X", "per matrix, P^T @ X", "batched, P @ X"} <= {
+        row.split("|")[2].strip() for row in rows
+    }
+    assert "python -m benchmarks --cases paths --dims 32" in result.stdout
