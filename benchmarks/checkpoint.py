@@ -198,7 +198,7 @@ def _check_against_step(saved: dict[str, Any], optimizer: Any, repeats: int) -> 
     at most 3 steps are timed, as a step of the full-size model takes seconds.
     """
     from hyper_parallel.checkpoint._tensors import flat_tensors
-    from hyper_parallel.core.optimizer import non_finite
+    from hyper_parallel.core.optimizer._nonfinite import non_finite
 
     tensors = saved["tensors"]
     assert not non_finite(flat_tensors(tensors))  # warm, and the state is healthy

@@ -249,7 +249,7 @@ def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 @contextmanager
 def _overlap(on: bool) -> Iterator[None]:
     """Backends made in the block overlap the owner exchange (``on``) or not."""
-    from hyper_parallel_builtins.fsdp_backend import OVERLAP_ENV
+    from hyper_parallel_builtins.fsdp_backend._backend import OVERLAP_ENV
 
     before = os.environ.get(OVERLAP_ENV)
     os.environ[OVERLAP_ENV] = "1" if on else "0"

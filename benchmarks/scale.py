@@ -16,7 +16,7 @@ transport of the owner exchange, it predicts per rank:
   at its memory rate, without overlap (an upper bound).
 
 The plan is the ``fsdp`` backend's own rule (owners by FLOPs, buckets of
-:func:`~hyper_parallel_builtins.fsdp_backend.bucket_bytes`, one sender per
+:func:`~hyper_parallel_builtins.fsdp_backend._plan.bucket_bytes`, one sender per
 distinct piece), computed for even ``Shard(0)`` row shards without
 building the ranks' tensors.
 
@@ -194,7 +194,7 @@ def plan_exchange(params: Params, ranks: int, shards: int, ns_dtype: torch.dtype
     the work. ``None`` chooses as the backend's ``"auto"`` does with ``profile``.
     """
     from hyper_parallel.core.distributed.toolkit import assign_owners, exchange_rounds
-    from hyper_parallel_builtins.fsdp_backend import bucket_bytes
+    from hyper_parallel_builtins.fsdp_backend._plan import bucket_bytes
     from hyper_parallel_builtins.muon import MuonTeam
     from hyper_parallel_builtins.newton_schulz import newton_schulz_flops, resolve_ns_method
 

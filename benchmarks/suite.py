@@ -298,13 +298,9 @@ def _matmul_limit_row(
     share of it our whole step reaches (momentum and the update included).
     """
     from hyper_parallel_builtins.muon import default_ns_dtype
-    from hyper_parallel_builtins.newton_schulz import (
-        PER_MATRIX_FROM,
-        SYMMETRIC_BLOCK_ROWS,
-        cpu_path,
-        newton_schulz_flops,
-        resolve_ns_method,
-    )
+    from hyper_parallel_builtins.newton_schulz import newton_schulz_flops, resolve_ns_method
+    from hyper_parallel_builtins.newton_schulz._iterate import SYMMETRIC_BLOCK_ROWS
+    from hyper_parallel_builtins.newton_schulz._paths import PER_MATRIX_FROM, cpu_path
 
     dtype = default_ns_dtype(torch.empty(0, device=device))
     steps, done, limit_s = 5, 0.0, 0.0
@@ -417,11 +413,9 @@ def case_ns(settings: Settings) -> Iterator[Row]:
 def _ns_rows(
     settings: Settings, dim: int, coefficients: list[tuple[float, float, float]], steps: int
 ) -> Iterator[Row]:
-    from hyper_parallel_builtins.newton_schulz import (
-        PER_MATRIX_FROM,
-        SYMMETRIC_BLOCK_ROWS,
-        newton_schulz_batched,
-    )
+    from hyper_parallel_builtins.newton_schulz import newton_schulz_batched
+    from hyper_parallel_builtins.newton_schulz._iterate import SYMMETRIC_BLOCK_ROWS
+    from hyper_parallel_builtins.newton_schulz._paths import PER_MATRIX_FROM
 
     device = settings.device
     # ours: the FLOPs it does; on CPU from PER_MATRIX_FROM the symmetric products skip some

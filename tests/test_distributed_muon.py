@@ -30,11 +30,10 @@ def exchange_options(
     bucket; lifting it gives the pipeline several buckets to overlap. Plans
     are made at the first step, so train inside the block too.
     """
-    import hyper_parallel_builtins.fsdp_backend as fsdp_backend
-    from hyper_parallel_builtins.fsdp_backend import _plan
+    from hyper_parallel_builtins.fsdp_backend import _backend, _plan
 
     floor = _plan.MIN_BUCKET_BYTES
-    names = (fsdp_backend.OVERLAP_ENV, fsdp_backend.TRANSPORT_ENV, fsdp_backend.TEAM_SIZE_ENV)
+    names = (_backend.OVERLAP_ENV, _backend.TRANSPORT_ENV, _plan.TEAM_SIZE_ENV)
     before = {name: os.environ.get(name) for name in names}
     _plan.MIN_BUCKET_BYTES = 1
     values = ("1" if overlap else "0", transport, team_size)
@@ -59,7 +58,8 @@ def assert_bitwise_equal(model: torch.nn.Module, other: torch.nn.Module, label: 
 
 
 def test_overlap_switch_is_read_when_the_backend_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hyper_parallel_builtins.fsdp_backend import OVERLAP_ENV, FSDPBackend, HSDPBackend
+    from hyper_parallel_builtins.fsdp_backend import FSDPBackend, HSDPBackend
+    from hyper_parallel_builtins.fsdp_backend._backend import OVERLAP_ENV
 
     monkeypatch.delenv(OVERLAP_ENV, raising=False)
     assert FSDPBackend().overlap and not FSDPBackend(overlap=False).overlap
@@ -75,7 +75,8 @@ def test_overlap_switch_is_read_when_the_backend_is_made(monkeypatch: pytest.Mon
 
 
 def test_transport_is_checked_when_the_backend_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hyper_parallel_builtins.fsdp_backend import TRANSPORT_ENV, FSDPBackend
+    from hyper_parallel_builtins.fsdp_backend import FSDPBackend
+    from hyper_parallel_builtins.fsdp_backend._backend import TRANSPORT_ENV
 
     monkeypatch.delenv(TRANSPORT_ENV, raising=False)
     assert FSDPBackend().transport == "auto"
@@ -90,7 +91,8 @@ def test_transport_is_checked_when_the_backend_is_made(monkeypatch: pytest.Monke
 
 
 def test_team_size_is_checked_when_the_backend_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hyper_parallel_builtins.fsdp_backend import TEAM_SIZE_ENV, FSDPBackend
+    from hyper_parallel_builtins.fsdp_backend import FSDPBackend
+    from hyper_parallel_builtins.fsdp_backend._plan import TEAM_SIZE_ENV
 
     monkeypatch.delenv(TEAM_SIZE_ENV, raising=False)
     assert FSDPBackend().team_size == "auto"
@@ -209,7 +211,7 @@ def _check_against_one_process(mesh: Any, rows: slice, label: str) -> None:
 
 def _check_teams(mesh: Any, rows: slice, sizes: tuple[int, ...], label: str) -> None:
     """Matrices shared by teams of ranks: one process's numbers, every rank computing."""
-    import hyper_parallel_builtins.muon._update as muon_module
+    import hyper_parallel_builtins.muon._team as muon_module
 
     torch.manual_seed(0)
     reference = TinyLM(qkv_bias=False)

@@ -82,18 +82,16 @@ def test_a_local_muon_adamw_step_reads_no_environment(ns_method: str) -> None:
 #: The modules that work out what options, coefficients, paths and the machine decide.
 _DECIDING = {
     "hyper_parallel_builtins/muon/_options.py": "every function",
+    "hyper_parallel_builtins/muon/_matrices.py": "every function",
     "hyper_parallel_builtins/newton_schulz/_coefficients.py": "every function",
     "hyper_parallel_builtins/newton_schulz/_paths.py": "every function",
     "hyper_parallel/core/compat.py": "cpu_kind cpu_has_native_bf16 cpu_kind_of",
+    "hyper_parallel/core/distributed/_backend.py": "resolve_backend __call__",
 }
 
 
-@pytest.mark.parametrize("ns_method", ["standard", "gram"])
-def test_a_local_muon_adamw_step_decides_nothing_again(ns_method: str) -> None:
-    """After the first step, a step calls nothing that resolves options, paths or capabilities."""
-    torch.manual_seed(0)
-    model = TinyLM(dim=32, hidden=64)
-    optimizer = get_hyper_optimizer(model, muon={"ns_method": ns_method}, adamw={})
+def _calls_during_a_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> set[str]:
+    """``module:function`` of every call into the project's code during a step after two."""
     ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
     _steps(model, optimizer, ids, 2)
     lm_loss(model, ids).backward()
@@ -103,10 +101,9 @@ def test_a_local_muon_adamw_step_decides_nothing_again(ns_method: str) -> None:
         if event != "call":
             return
         where = frame.f_code.co_filename.replace(os.sep, "/")
-        for module, functions in _DECIDING.items():
-            if where.endswith(module) and (
-                functions == "every function" or frame.f_code.co_name in functions.split()
-            ):
+        for package in ("/hyper_parallel/", "/hyper_parallel_builtins/"):
+            if package in where:
+                module = package.strip("/") + "/" + where.split(package, 1)[1]
                 called.add(f"{module}:{frame.f_code.co_name}")
 
     sys.setprofile(watch)
@@ -114,16 +111,49 @@ def test_a_local_muon_adamw_step_decides_nothing_again(ns_method: str) -> None:
         optimizer.step()
     finally:
         sys.setprofile(None)
-    assert called == set()
+    return called
+
+
+def _modules(calls: set[str]) -> list[str]:
+    return sorted({call.split(":")[0] for call in calls})
+
+
+def _deciding(calls: set[str]) -> set[str]:
+    found = set()
+    for call in calls:
+        module, function = call.split(":")
+        functions = _DECIDING.get(module)
+        if functions == "every function" or (functions and function in functions.split()):
+            found.add(call)
+    return found
+
+
+@pytest.mark.parametrize("ns_method", ["standard", "gram"])
+def test_a_local_muon_adamw_step_runs_in_six_modules_and_decides_nothing_again(
+    ns_method: str,
+) -> None:
+    """After the first step, a step calls nothing that resolves options, paths or capabilities."""
+    torch.manual_seed(0)
+    model = TinyLM(dim=32, hidden=64)
+    optimizer = get_hyper_optimizer(model, muon={"ns_method": ns_method}, adamw={})
+    calls = _calls_during_a_step(model, optimizer)
+    assert _deciding(calls) == set()
+    assert len(_modules(calls)) <= 6, _modules(calls)
+    assert "hyper_parallel_builtins/muon/_update.py:stream_" in calls  # the step was watched
 
 
 def _check_fsdp(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = fully_shard(TinyLM(dim=32, hidden=64), mesh=init_device_mesh("cpu", (world_size,)))
-    assert _reads_during_a_step(model, get_hyper_optimizer(model)) == []
+    optimizer = get_hyper_optimizer(model)
+    assert _reads_during_a_step(model, optimizer) == []
+    calls = _calls_during_a_step(model, optimizer)
+    assert _deciding(calls) == set()
+    assert len(_modules(calls)) <= 10, _modules(calls)
+    assert "hyper_parallel_builtins/fsdp_backend/_exchange.py" in _modules(calls)
 
 
-def test_an_fsdp_muon_adamw_step_at_2_ranks_reads_no_environment() -> None:
+def test_an_fsdp_muon_adamw_step_at_2_ranks_runs_in_ten_modules_and_reads_no_environment() -> None:
     run_distributed(_check_fsdp, world_size=2)
 
 

@@ -21,17 +21,15 @@ from hyper_parallel.core.distributed._backend import (
     ShardingBackend,
     TeamTransform,
 )
-from hyper_parallel.core.distributed._needs import Blocks, Need, RowBlocks, WholeMatrices
-from hyper_parallel.core.distributed.toolkit import Reducer
+from hyper_parallel.core.distributed._needs import Need, RowBlocks, WholeMatrices
+from hyper_parallel.core.distributed.toolkit import Blocks, Reducer
 
 if TYPE_CHECKING:
-    from hyper_parallel.core.distributed._fsdp import fully_shard
     from hyper_parallel.core.distributed._mesh import ranks_per_node
 
 # Imported on first use: they need torch.distributed.tensor and FSDP, which a
 # process that only lists plugins or trains on one device never loads.
 LAZY: dict[str, str] = {
-    "fully_shard": "hyper_parallel.core.distributed._fsdp",
     "ranks_per_node": "hyper_parallel.core.distributed._mesh",
 }
 
@@ -49,9 +47,6 @@ __all__ = [
     "WholeMatrices",
     "ranks_per_node",
 ]
-# Still imported from here by the fsdp backend's _backend.py, which moves to
-# ``from hyper_parallel import fully_shard`` (the users' path) later.
-__all__ += ["fully_shard"]
 
 
 def __getattr__(name: str) -> Any:

@@ -15,15 +15,13 @@ that and the param's placements:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TypeAlias
 
-import torch
-
 from hyper_parallel.core.errors import HyperParallelValueError
 
-__all__ = ["Blocks", "Need", "RowBlocks", "WholeMatrices"]
+__all__ = ["Need", "RowBlocks", "WholeMatrices"]
 
 
 @dataclass(frozen=True)
@@ -76,20 +74,3 @@ class RowBlocks:
 
 Need: TypeAlias = WholeMatrices | RowBlocks
 """What a transform needs of one param."""
-
-
-class Blocks(list):  # type: ignore[type-arg]
-    """The whole blocks a :data:`BlocksFn` is called with: a list, plus each block's key.
-
-    ``keys[i]`` is the ``key`` of the :data:`Need` of the param that block
-    ``i`` belongs to (the blocks of one param share it). A transform that
-    needs no keys reads it as a plain list.
-    """
-
-    def __init__(self, blocks: Iterable[torch.Tensor] = (), keys: Iterable[Hashable] = ()) -> None:
-        super().__init__(blocks)
-        self.keys: tuple[Hashable, ...] = tuple(keys)
-        if len(self.keys) != len(self):
-            raise HyperParallelValueError(
-                f"Blocks got {len(self)} blocks but {len(self.keys)} keys; give one key per block."
-            )

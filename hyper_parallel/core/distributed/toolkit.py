@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,7 @@ from hyper_parallel.core.distributed._dtensor import (
     shard_like,
     split_dim,
 )
-from hyper_parallel.core.distributed._needs import Blocks, Need, RowBlocks
+from hyper_parallel.core.distributed._needs import Need, RowBlocks
 from hyper_parallel.core.errors import HyperParallelValueError
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "AsyncExchange",
+    "Blocks",
     "Layout",
     "Reducer",
     "assign_owners",
@@ -263,6 +264,23 @@ def join_blocks(results: Sequence[torch.Tensor], need: Need) -> torch.Tensor:
     if len(results) == 1:
         return results[0]
     return torch.cat(list(results), dim=need.batch_dims)
+
+
+class Blocks(list):  # type: ignore[type-arg]
+    """The whole blocks a :data:`BlocksFn` is called with: a list, plus each block's key.
+
+    ``keys[i]`` is the ``key`` of the :data:`Need` of the param that block
+    ``i`` belongs to (the blocks of one param share it). A transform that
+    needs no keys reads it as a plain list.
+    """
+
+    def __init__(self, blocks: Iterable[torch.Tensor] = (), keys: Iterable[Hashable] = ()) -> None:
+        super().__init__(blocks)
+        self.keys: tuple[Hashable, ...] = tuple(keys)
+        if len(self.keys) != len(self):
+            raise HyperParallelValueError(
+                f"Blocks got {len(self)} blocks but {len(self.keys)} keys; give one key per block."
+            )
 
 
 def map_held_blocks(

@@ -17,10 +17,11 @@ from hyper_parallel.core.optimizer._matrix import (
     MatrixOptimizer,
     apply_momentum,
     by_device_and_dtype,
+    lerp_momentum_,
     momentum_updates,
     new_or_into,
 )
-from hyper_parallel.core.optimizer._nonfinite import grads_are_finite, non_finite, step_if_finite
+from hyper_parallel.core.optimizer._nonfinite import grads_are_finite, step_if_finite
 from hyper_parallel.core.optimizer._scheduler import HyperLRScheduler, get_hyper_lr_scheduler
 from hyper_parallel.core.optimizer._swap import SwapOptimizer, SwapOptimizerConfig
 
@@ -41,12 +42,8 @@ __all__ = [
     "momentum_updates",
     "step_if_finite",
 ]
-# Helpers only Muon's step calls (muon/_update.py): public while a built-in plugin
-# calls them, until that code moves into the muon plugin.
-__all__ += ["apply_momentum", "by_device_and_dtype", "new_or_into"]
-# Still imported from here by benchmarks/checkpoint.py, which moves to
-# hyper_parallel.core.optimizer._nonfinite later.
-__all__ += ["non_finite"]
+# A matrix optimizer's momentum on local shards (Muon's and Sinkhorn's, and a plugin's).
+__all__ += ["apply_momentum", "by_device_and_dtype", "lerp_momentum_", "new_or_into"]
 
 if TYPE_CHECKING:
     # Their real classes for type checkers; at run time they come from the registry.

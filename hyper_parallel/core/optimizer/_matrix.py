@@ -29,6 +29,7 @@ __all__ = [
     "MomentumRule",
     "apply_momentum",
     "by_device_and_dtype",
+    "lerp_momentum_",
     "momentum_updates",
     "new_or_into",
 ]
@@ -170,7 +171,10 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        eager_when_compiled(_step_groups, self)
+        if torch.compiler.is_compiling():
+            eager_when_compiled(_step_groups, self)
+        else:
+            _step_groups(self)
         return loss
 
 
@@ -259,6 +263,27 @@ def apply_momentum(
     return updates
 
 
+def lerp_momentum_(
+    local_buffers: list[Tensor],
+    local_grads: list[Tensor],
+    momentum: float,
+    nesterov: bool,
+    out: list[Tensor] | None = None,
+) -> list[Tensor] | None:
+    """torch's momentum rule on local tensors of one device and dtype (a :data:`MomentumRule`).
+
+    ``B <- momentum * B + (1 - momentum) * G`` in place; returns the
+    Nesterov look-ahead ``(1 - momentum) * G + momentum * B`` (into ``out``
+    where given), or ``None`` without Nesterov: the update is ``B`` itself.
+    """
+    torch._foreach_lerp_(local_buffers, local_grads, 1 - momentum)
+    if not nesterov:
+        return None
+    return new_or_into(
+        out, torch._foreach_lerp, torch.lerp, local_grads, local_buffers, weight=momentum
+    )
+
+
 def momentum_updates(
     buffers: list[Tensor],
     grads: list[Tensor],
@@ -268,9 +293,7 @@ def momentum_updates(
 ) -> list[Tensor]:
     """Step the momentum buffers in place and return the updates to transform (torch's rule).
 
-    ``B <- momentum * B + (1 - momentum) * G``, then the update is the
-    Nesterov look-ahead ``(1 - momentum) * G + momentum * B`` or ``B``
-    itself (:func:`apply_momentum` on the local shards).
+    :func:`lerp_momentum_` on the local shards (:func:`apply_momentum`).
 
     Args:
         buffers: Momentum buffers (DTensors or plain), changed in place.
@@ -283,14 +306,9 @@ def momentum_updates(
         One update per buffer, laid out like it.
     """
 
-    def lerp(
+    def rule(
         local_buffers: list[Tensor], local_grads: list[Tensor], into: list[Tensor] | None
     ) -> list[Tensor] | None:
-        torch._foreach_lerp_(local_buffers, local_grads, 1 - momentum)
-        if not nesterov:
-            return None
-        return new_or_into(
-            into, torch._foreach_lerp, torch.lerp, local_grads, local_buffers, weight=momentum
-        )
+        return lerp_momentum_(local_buffers, local_grads, momentum, nesterov, into)
 
-    return apply_momentum(buffers, grads, lerp, out)
+    return apply_momentum(buffers, grads, rule, out)

@@ -54,15 +54,15 @@ one collective, and reused every step.
 from __future__ import annotations
 
 from hyper_parallel_builtins.fsdp_backend._backend import (
-    OVERLAP_ENV,
-    TRANSPORT_ENV,
     FSDPBackend,
     HSDPBackend,
     hyper_parallel_register_sharding_backends,
 )
-from hyper_parallel_builtins.fsdp_backend._plan import TEAM_SIZE_ENV, bucket_bytes
+from hyper_parallel_builtins.fsdp_backend._plan_types import ExchangePlan
 
-__all__ = ["FSDPBackend", "HSDPBackend", "hyper_parallel_register_sharding_backends"]
-# Still imported from here by benchmarks/ and tests/test_distributed_muon.py, which move to
-# the private modules later.
-__all__ += ["OVERLAP_ENV", "TEAM_SIZE_ENV", "TRANSPORT_ENV", "bucket_bytes"]
+__all__ = [
+    "ExchangePlan",
+    "FSDPBackend",
+    "HSDPBackend",
+    "hyper_parallel_register_sharding_backends",
+]

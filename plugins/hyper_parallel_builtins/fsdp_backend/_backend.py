@@ -163,7 +163,7 @@ class FSDPBackend(ShardingBackend):
         return any(is_dtensor(p) for p in params) and all(_supported(p) for p in params)
 
     def shard_model(self, module: nn.Module, **options: Any) -> nn.Module:
-        from hyper_parallel.core.distributed import fully_shard
+        from hyper_parallel import fully_shard
 
         return fully_shard(module, **options)
 

@@ -17,15 +17,14 @@ from hyper_parallel_builtins.muon._extensions import MuonPostUpdateContext, NSIn
 from hyper_parallel_builtins.muon._matrices import matrix_shape
 from hyper_parallel_builtins.muon._optimizer import Muon, hyper_parallel_register_optimizers
 from hyper_parallel_builtins.muon._options import default_ns_dtype
-from hyper_parallel_builtins.muon._update import MuonTeam
+from hyper_parallel_builtins.muon._team import MuonTeam
 
 __all__ = [
     "Muon",
     "MuonPostUpdateContext",
+    "MuonTeam",
     "NSInputTransform",
+    "default_ns_dtype",
     "hyper_parallel_register_optimizers",
     "matrix_shape",
 ]
-# Still imported from here by benchmarks/ and tests/test_cost_model.py, which move to the
-# private modules later.
-__all__ += ["MuonTeam", "default_ns_dtype"]

@@ -10,10 +10,10 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from hyper_parallel import hookimpl
-from hyper_parallel.core.distributed import PrepareFn
+from hyper_parallel.core.distributed import WholeMatrices
 from hyper_parallel.core.distributed.toolkit import local_tensor
 from hyper_parallel.core.errors import HyperParallelValueError
-from hyper_parallel.core.optimizer import MatrixOptimizer, by_device_and_dtype
+from hyper_parallel.core.optimizer import MatrixOptimizer
 from hyper_parallel.core.plugin import RegisterFn
 from hyper_parallel_builtins.muon._extensions import (
     MomentumUpdateFn,
@@ -27,7 +27,7 @@ from hyper_parallel_builtins.muon._extensions import (
     head_wise_dims,
     param_names,
 )
-from hyper_parallel_builtins.muon._matrices import matrix_shape, need, row_heights
+from hyper_parallel_builtins.muon._matrices import need
 from hyper_parallel_builtins.muon._options import (
     HYPER_PARALLEL_LR,
     TORCH_LR,
@@ -37,18 +37,16 @@ from hyper_parallel_builtins.muon._options import (
     ns_dtype_from_env,
     resolve_settings,
 )
+from hyper_parallel_builtins.muon._team import MuonTeam
 from hyper_parallel_builtins.muon._update import (
     BlockTransform,
+    DecidedGroup,
+    MomentumSource,
     MuonSettings,
-    MuonTeam,
-    momentum_step,
+    StepOptions,
+    apply_updates_,
 )
-from hyper_parallel_builtins.newton_schulz import (
-    CoefficientSpec,
-    Workspace,
-    newton_schulz_flops,
-    resolve_ns_method,
-)
+from hyper_parallel_builtins.newton_schulz import CoefficientSpec, Workspace
 
 __all__ = ["Muon", "hyper_parallel_register_optimizers"]
 
@@ -71,9 +69,9 @@ _EXTRA_DEFAULTS: Mapping[str, Any] = {
     "split_rows": None,
 }
 
-# What Muon keeps beyond torch's Optimizer state: carried by copies and pickles.
-#: The group keys whose values decide a group's :class:`MuonSettings`; a group whose values
-#: change (add_param_group, load_state_dict, a user's edit) gets its settings worked out again.
+#: The group keys whose values decide a group's :class:`DecidedGroup`; a group whose values
+#: change (add_param_group, load_state_dict, a user's edit) gets it worked out again. (lr,
+#: weight_decay, momentum and nesterov are read at each step.)
 _DECIDING_KEYS = (
     "adjust_lr_fn",
     "eps",
@@ -85,8 +83,14 @@ _DECIDING_KEYS = (
     "zero_rms_scale_mode",
     "apply_lr_in_update",
     "ns_dtype",
+    "ns_method",
+    "matrix_view",
+    "sharding",
+    "head_dim",
+    "split_rows",
 )
 
+# What Muon keeps beyond torch's Optimizer state: carried by copies and pickles.
 _INSTANCE_ATTRIBUTES = (
     "head_wise",
     "head_dim",
@@ -296,8 +300,8 @@ class Muon(MatrixOptimizer):
         self.workspace: Workspace | None = Workspace()
         # $HYPER_PARALLEL_NS_DTYPE, read when a group that follows it is added; never at a step
         self.env_ns_dtype: torch.dtype | None = None
-        #: each group's settings (by id), with the deciding values they were worked out from
-        self._settings: dict[int, tuple[tuple[Any, ...], MuonSettings]] = {}
+        #: each group's decided record (by id), with what it was worked out from
+        self._decided: dict[int, tuple[tuple[Any, ...], DecidedGroup]] = {}
         super().__init__(params, defaults, replica_group_size=self.hsdp_replica_count)
         if head_wise:
             check_head_wise_selects(self.param_groups, head_wise_patterns)
@@ -323,7 +327,7 @@ class Muon(MatrixOptimizer):
         super()._check_group(group)
         if group["ns_dtype"] is None:
             self.env_ns_dtype = ns_dtype_from_env()
-        self._settings.pop(id(group), None)  # worked out again at its next step
+        self._decided.pop(id(group), None)  # worked out again at its next step
         dims = (
             head_wise_dims([group], self.head_dim, self.head_wise_patterns)
             if self.head_wise
@@ -339,10 +343,6 @@ class Muon(MatrixOptimizer):
             need(p.shape, group, split or group["head_dim"])  # the split fits
         self._head_dims.update(dims)
 
-    def _head_dim_of(self, param: Tensor, group: Mapping[str, Any]) -> int | None:
-        split: int | None = self._head_dims.get(param, group["head_dim"])
-        return split
-
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.update({name: self.__dict__[name] for name in _INSTANCE_ATTRIBUTES})
@@ -350,162 +350,112 @@ class Muon(MatrixOptimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._settings = {}  # by group id, which a copy does not keep
+        self._decided = {}  # by group id, which a copy does not keep
 
     def settings(self, group: Mapping[str, Any]) -> MuonSettings:
         """What ``group``'s options decide, worked out when they last changed (never per step)."""
-        deciding = tuple(group[key] for key in _DECIDING_KEYS)
-        kept = self._settings.get(id(group))
+        return self.decided(group).settings
+
+    def decided(self, group: Mapping[str, Any]) -> DecidedGroup:
+        """What ``group``'s options and params decide (:class:`DecidedGroup`), kept until they change."""
+        deciding = (
+            tuple(group[key] for key in _DECIDING_KEYS),
+            tuple(id(p) for p in group["params"]),
+            self.workspace,
+            self.zeropower_fn,
+            self.momentum_update_fn,
+            self.reshape_fn,
+            self.ns_transform_fn,
+        )
+        kept = self._decided.get(id(group))
         if kept is None or kept[0] != deciding:
-            kept = self._settings[id(group)] = (
-                deciding,
-                resolve_settings(group, self.env_ns_dtype),
-            )
+            kept = self._decided[id(group)] = (deciding, self._decide(group))
         return kept[1]
+
+    def _decide(self, group: Mapping[str, Any]) -> DecidedGroup:
+        settings = resolve_settings(group, self.env_ns_dtype)
+        params: list[Tensor] = group["params"]
+        keyed = self.reshape_fn is not None or self.ns_transform_fn is not None
+        needs = {
+            id(p): need(
+                p.shape, group, self._head_dims.get(p, group["head_dim"]), i if keyed else None
+            )
+            for i, p in enumerate(params)
+        }
+        names = param_names(group)
+        transform = BlockTransform(
+            group,
+            settings,
+            names,
+            zeropower_fn=self.zeropower_fn,
+            reshape_fn=self.reshape_fn,
+            ns_transform_fn=self.ns_transform_fn,
+            workspace=self.workspace,
+            device=params[0].device if params else None,
+        )
+        plain = self.zeropower_fn is None and not keyed
+        backend = self.sharding_backend(group)
+        return DecidedGroup(
+            settings=settings,
+            backend=backend,
+            needs=needs,
+            names={id(p): name for p, name in zip(params, names, strict=True)},
+            transform=transform,
+            team=(
+                MuonTeam(group, settings.dtype_for(params[0]), self.workspace, settings)
+                if plain and params
+                else None
+            ),
+            streams=(
+                backend.holds_whole
+                and plain
+                and self.momentum_update_fn is None
+                and all(isinstance(n, WholeMatrices) for n in needs.values())
+            ),
+        )
 
     def _step_group(self, group: dict[str, Any]) -> None:
         group["step"] = (group.get("step") or 0) + 1
         params, grads, buffers = self._params_with_grads(group)
         if not params:
             return
-        lr = group["lr"]
-        lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
-        settings = self.settings(group)
-
-        def updates(positions: list[int], out: list[Tensor] | None = None) -> list[Tensor]:
-            return momentum_step(
-                group,
-                settings,
-                [buffers[i] for i in positions],
-                [grads[i] for i in positions],
-                self.momentum_update_fn,
-                out,
+        decided = self.decided(group)
+        options = StepOptions.of(group, decided.settings)
+        if decided.streams:  # plain params held whole: each made, orthogonalized, applied in turn
+            decided.transform.stream_(params, grads, buffers, options)
+            local_params = params
+        else:  # the backend brings whole blocks to the transform, wherever they live
+            local_params = [local_tensor(p) for p in params]
+            updates = decided.backend.map_prepared_blocks(
+                decided.transform,
+                MomentumSource(decided.settings, options, buffers, grads, self.momentum_update_fn),
+                buffers,
+                [decided.needs[id(p)] for p in params],
+                cost=decided.transform.cost,
+                team=decided.team,
             )
-
-        local_params = [local_tensor(p) for p in params]
-        decay = 1 - lr * group["weight_decay"]
-        alpha = 1.0 if group["apply_lr_in_update"] else -lr
-        transform = BlockTransform(
-            group,
-            settings,
-            lr,
-            _names_of(params, group),
-            zeropower_fn=self.zeropower_fn,
-            reshape_fn=self.reshape_fn,
-            ns_transform_fn=self.ns_transform_fn,
-            workspace=self.workspace,
-        )
-        if self._streams(transform, params, group):
-
-            def apply(i: int, update: Tensor) -> None:
-                if decay != 1:
-                    local_params[i].mul_(decay)
-                local_params[i].add_(update, alpha=alpha)
-
-            transform.stream(buffers, updates, apply)
-        else:
-            orthogonal = self._orthogonalize(transform, updates, buffers, params, group)
-            for indices in by_device_and_dtype(local_params):
-                mine = [local_params[i] for i in indices]
-                if decay != 1:
-                    torch._foreach_mul_(mine, decay)
-                torch._foreach_add_(
-                    mine, [local_tensor(orthogonal[i]) for i in indices], alpha=alpha
-                )
+            apply_updates_(local_params, updates, options)
         if self.post_update_fn is not None:
-            self._post_update(params, local_params, group, lr)
-
-    def _streams(
-        self, transform: BlockTransform, params: list[Tensor], group: dict[str, Any]
-    ) -> bool:
-        """Whether ``group`` steps param by param (:meth:`BlockTransform.stream`).
-
-        It does where its backend holds every param whole in this process and
-        nothing asks for more than whole matrices: no ``zeropower_fn``,
-        ``momentum_update_fn`` (called once with the group's lists), keyed
-        callables, head blocks or ``split_rows``.
-        """
-        return (
-            self.sharding_backend(group).holds_whole
-            and self.zeropower_fn is None
-            and self.momentum_update_fn is None
-            and not transform.keyed
-            and all(
-                row_heights(p.shape, group, self._head_dim_of(p, group)) is None for p in params
-            )
-        )
-
-    def _orthogonalize(
-        self,
-        transform: BlockTransform,
-        prepare: PrepareFn,
-        layouts: list[Tensor],
-        params: list[Tensor],
-        group: dict[str, Any],
-    ) -> list[Tensor]:
-        """Newton-Schulz of every update in ``group``, scaled by each block's factor.
-
-        The group's sharding backend (resolved when the group was added)
-        brings each whole matrix, or each head block, to one rank: plain
-        tensors and blocks a rank holds whole are done in place, the rest by
-        one owner rank each, balanced by Newton-Schulz FLOPs (or by a team
-        of ranks). It asks ``prepare`` for the updates as it needs them
-        (those that travel first), so the rest of the momentum work can run
-        while they travel.
-
-        Returns:
-            The scaled, orthogonalized updates, laid out like ``layouts``.
-        """
-        view, device = group["matrix_view"], layouts[0].device
-
-        def ns_flops(shape: torch.Size) -> float:
-            batch, rows, cols = matrix_shape(shape, view)
-            method = resolve_ns_method(group["ns_method"], rows, cols, device)
-            return batch * newton_schulz_flops(rows, cols, group["ns_steps"], method)
-
-        standard = self.zeropower_fn is None and not transform.keyed
-        needs = [
-            need(u.shape, group, self._head_dim_of(p, group), i if transform.keyed else None)
-            for i, (u, p) in enumerate(zip(layouts, params, strict=True))
-        ]
-        return self.sharding_backend(group).map_prepared_blocks(
-            transform,
-            prepare,
-            layouts,
-            needs,
-            cost=ns_flops,
-            team=(
-                MuonTeam(
-                    group,
-                    transform.dtype(layouts[0]),
-                    transform.lr,
-                    self.workspace,
-                    transform.settings,
-                )
-                if standard
-                else None
-            ),
-        )
+            self._post_update(params, local_params, group, decided, options.lr)
 
     def _post_update(
-        self, params: list[Tensor], local: list[Tensor], group: dict[str, Any], lr: float
+        self,
+        params: list[Tensor],
+        local: list[Tensor],
+        group: dict[str, Any],
+        decided: DecidedGroup,
+        lr: float,
     ) -> None:
         assert self.post_update_fn is not None
-        for param, local_param, name in zip(params, local, _names_of(params, group), strict=True):
+        for param, local_param in zip(params, local, strict=True):
             context = MuonPostUpdateContext(
-                param_fqn=name,
+                param_fqn=decided.names[id(param)],
                 logical_shape=tuple(param.shape),
                 lr=lr,
                 weight_decay=float(group["weight_decay"]),
                 step=int(group["step"]),
             )
             self.post_update_fn(param, local_param, context)
-
-
-def _names_of(params: list[Tensor], group: Mapping[str, Any]) -> list[str | None]:
-    """The names of ``params`` (a subset of the group's, in order)."""
-    by_id = {id(p): name for p, name in zip(group["params"], param_names(group), strict=True)}
-    return [by_id.get(id(p)) for p in params]
 
 
 @hookimpl

@@ -1,12 +1,15 @@
-"""One Muon step's arithmetic: momentum by either convention, and the orthogonalized blocks.
+"""One Muon step's arithmetic, on data decided when the group was added.
 
-:class:`BlockTransform` is what the sharding backend calls with whole blocks
-(whole matrices or head blocks, wherever they were assembled): it groups
-them by matrix shape, runs one batched Newton-Schulz (or the caller's
-``zeropower_fn``) per shape, and scales each result. With a ``reshape_fn`` or
-``ns_transform_fn`` it first asks, per param (found by the block's key),
-which pieces to orthogonalize. :class:`MuonTeam` is the same for a team of
-ranks sharing each matrix.
+:class:`DecidedGroup` is what a group's options and params decide (its
+:class:`MuonSettings`, backend, needs, transform and team), made once;
+:class:`StepOptions` is what may change between steps (lr, weight decay,
+momentum), read once per step. The step is then momentum
+(:class:`MomentumSource`), Newton-Schulz of whole blocks
+(:class:`BlockTransform`, which the sharding backend calls wherever it
+assembled them, or :class:`MuonTeam` for a team of ranks sharing each
+matrix), and the update applied (:func:`apply_updates_`). A group whose
+params are all held whole here streams instead: :meth:`BlockTransform.stream_`
+makes, orthogonalizes and applies each param's update in turn.
 """
 
 from __future__ import annotations
@@ -15,15 +18,21 @@ import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from hyper_parallel.core.distributed import Blocks
+from hyper_parallel.core.distributed import Blocks, Need, ShardingBackend, TeamTransform
 from hyper_parallel.core.distributed.toolkit import local_tensor, shard_like
 from hyper_parallel.core.errors import HyperParallelValueError
-from hyper_parallel.core.optimizer import apply_momentum, momentum_updates, new_or_into
+from hyper_parallel.core.optimizer import (
+    apply_momentum,
+    by_device_and_dtype,
+    lerp_momentum_,
+    momentum_updates,
+    new_or_into,
+)
 from hyper_parallel_builtins.muon._extensions import (
     MomentumUpdateFn,
     NSInputTransform,
@@ -32,29 +41,30 @@ from hyper_parallel_builtins.muon._extensions import (
     ZeropowerFn,
     check_transform,
 )
-from hyper_parallel_builtins.muon._matrices import batch_dims, matrix_shape, piece_shape
+from hyper_parallel_builtins.muon._matrices import matrix_shape, piece_shape
 from hyper_parallel_builtins.newton_schulz import (
     Coefficients,
     Workspace,
     new_stack,
     newton_schulz_flops,
     newton_schulz_stack_,
-    newton_schulz_team,
-    newton_schulz_team_collectives,
+    resolve_ns_method,
     stack_into,
 )
 
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
 __all__ = [
     "BlockTransform",
+    "DecidedGroup",
+    "MomentumSource",
     "MuonSettings",
-    "MuonTeam",
     "ScaleRule",
+    "StepOptions",
+    "apply_updates_",
+    "as_update",
     "hyper_parallel_momentum",
+    "hyper_parallel_momentum_",
+    "live_lr",
     "momentum_pair",
-    "momentum_step",
     "ns_dtype_of",
 ]
 
@@ -125,6 +135,67 @@ def momentum_pair(momentum: float | Sequence[float]) -> tuple[float, float]:
     return float(momentum), float(momentum)
 
 
+def live_lr(group: Mapping[str, Any]) -> float:
+    """``group``'s lr now, as a float (a scheduler may have made it a 1-element tensor)."""
+    lr = group["lr"]
+    return float(lr.item()) if isinstance(lr, Tensor) else float(lr)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What a group's step reads live: the options schedulers and users change between steps."""
+
+    lr: float
+    m1: float  # the factor on the buffer in the update
+    m2: float  # the factor on the buffer in its own step
+    nesterov: bool
+    decay: float  # 1 - lr * weight_decay, on the param before the update
+    alpha: float  # the factor the update is added with: -lr, or 1 when the scale carries it
+
+    @classmethod
+    def of(cls, group: Mapping[str, Any], settings: MuonSettings) -> StepOptions:
+        """``group``'s values now."""
+        lr = live_lr(group)
+        m1, m2 = momentum_pair(group["momentum"])
+        return cls(
+            lr=lr,
+            m1=m1,
+            m2=m2,
+            nesterov=bool(group["nesterov"]),
+            decay=1 - lr * group["weight_decay"],
+            alpha=1.0 if settings.lr_in_update else -lr,
+        )
+
+
+def hyper_parallel_momentum_(
+    local_buffers: list[Tensor],
+    local_grads: list[Tensor],
+    m1: float,
+    m2: float,
+    nesterov: bool,
+    out: list[Tensor] | None = None,
+) -> list[Tensor] | None:
+    """HyperParallel's momentum on local tensors of one device and dtype (a ``MomentumRule``).
+
+    ``U = G + m1 B`` (with the buffer before this step), ``B <- m2 B + G``,
+    and with Nesterov ``U <- G + m1 U``. Returns the updates (into ``out``
+    where given), or ``None`` with ``m1 == m2`` and no Nesterov: the update
+    is the new buffer itself.
+    """
+    separate = nesterov or m1 != m2
+    looked = (
+        new_or_into(out, torch._foreach_add, torch.add, local_grads, local_buffers, alpha=m1)
+        if separate
+        else []
+    )
+    torch._foreach_mul_(local_buffers, m2)
+    torch._foreach_add_(local_buffers, local_grads)
+    if nesterov:
+        torch._foreach_mul_(looked, m1)
+        torch._foreach_add_(looked, local_grads)
+    return looked if separate else None
+
+
 def hyper_parallel_momentum(
     buffers: list[Tensor],
     grads: list[Tensor],
@@ -133,78 +204,96 @@ def hyper_parallel_momentum(
     nesterov: bool,
     out: list[Tensor] | None = None,
 ) -> list[Tensor]:
-    """HyperParallel's momentum, on the local shards: the buffers in place, the updates returned.
-
-    ``U = G + m1 B`` (with the buffer before this step), ``B <- m2 B + G``,
-    and with Nesterov ``U <- G + m1 U``. With ``m1 == m2`` and no Nesterov
-    the update is the new buffer itself; else it goes into ``out`` where
-    given (see :func:`~hyper_parallel.core.optimizer.apply_momentum`).
-    """
+    """:func:`hyper_parallel_momentum_` on the local shards: the buffers in place, the updates
+    returned laid out like them (see :func:`~hyper_parallel.core.optimizer.apply_momentum`)."""
 
     def rule(
         local_buffers: list[Tensor], local_grads: list[Tensor], into: list[Tensor] | None
     ) -> list[Tensor] | None:
-        separate = nesterov or m1 != m2
-        looked = (
-            new_or_into(into, torch._foreach_add, torch.add, local_grads, local_buffers, alpha=m1)
-            if separate
-            else []
-        )
-        torch._foreach_mul_(local_buffers, m2)
-        torch._foreach_add_(local_buffers, local_grads)
-        if nesterov:
-            torch._foreach_mul_(looked, m1)
-            torch._foreach_add_(looked, local_grads)
-        return looked if separate else None
+        return hyper_parallel_momentum_(local_buffers, local_grads, m1, m2, nesterov, into)
 
     return apply_momentum(buffers, grads, rule, out)
 
 
-def momentum_step(
-    group: Mapping[str, Any],
-    settings: MuonSettings,
-    buffers: list[Tensor],
-    grads: list[Tensor],
-    custom: MomentumUpdateFn | None,
-    out: list[Tensor] | None = None,
-) -> list[Tensor]:
-    """Step the momentum buffers of ``group``'s params and return their updates (laid out like them).
+@dataclass(frozen=True)
+class MomentumSource:
+    """One step's momentum updates, made when the sharding backend asks (its ``prepare``).
 
-    ``custom`` (``momentum_update_fn``) replaces the built-in rule: it gets
-    the local tensors and ``(m1, m2, nesterov)``. The built-in rules write
-    updates that are not the buffers into ``out`` where given.
+    ``source(positions, out)`` steps the buffers at those positions in place
+    and returns their updates, laid out like them; the built-in rules write
+    updates that are not the buffers into ``out`` where given. ``custom``
+    (``momentum_update_fn``) replaces the rule: it gets the local tensors
+    and ``(m1, m2, nesterov)``.
     """
-    m1, m2 = momentum_pair(group["momentum"])
-    if custom is not None:
-        made = list(
-            custom(
-                [local_tensor(g) for g in grads],
-                [local_tensor(b) for b in buffers],
-                m1,
-                m2,
-                group["nesterov"],
-            )
+
+    settings: MuonSettings
+    options: StepOptions
+    buffers: list[Tensor]
+    grads: list[Tensor]
+    custom: MomentumUpdateFn | None = None
+
+    def __call__(self, positions: list[int], out: list[Tensor] | None = None) -> list[Tensor]:
+        buffers = [self.buffers[i] for i in positions]
+        grads = [self.grads[i] for i in positions]
+        o = self.options
+        if self.custom is not None:
+            return _custom_momentum(self.custom, buffers, grads, o)
+        if self.settings.torch_momentum:
+            return momentum_updates(buffers, grads, o.m1, o.nesterov, out)
+        return hyper_parallel_momentum(buffers, grads, o.m1, o.m2, o.nesterov, out)
+
+
+def _custom_momentum(
+    custom: MomentumUpdateFn, buffers: list[Tensor], grads: list[Tensor], options: StepOptions
+) -> list[Tensor]:
+    """``momentum_update_fn``'s updates, checked: one per gradient, each shaped like it."""
+    made = list(
+        custom(
+            [local_tensor(g) for g in grads],
+            [local_tensor(b) for b in buffers],
+            options.m1,
+            options.m2,
+            options.nesterov,
         )
-        if len(made) != len(grads):
+    )
+    if len(made) != len(grads):
+        raise HyperParallelValueError(
+            f"momentum_update_fn must return one update tensor per input gradient, got "
+            f"{len(made)} updates for {len(grads)} gradients."
+        )
+    for update, buffer in zip(made, buffers, strict=True):
+        if not isinstance(update, Tensor) or update.shape != local_tensor(buffer).shape:
+            got = tuple(update.shape) if isinstance(update, Tensor) else type(update).__name__
             raise HyperParallelValueError(
-                f"momentum_update_fn must return one update tensor per input gradient, got "
-                f"{len(made)} updates for {len(grads)} gradients."
+                f"momentum_update_fn returned an update of shape {got} for a gradient of "
+                f"shape {tuple(local_tensor(buffer).shape)}; return each update shaped like "
+                "its gradient."
             )
-        for update, buffer in zip(made, buffers, strict=True):
-            if not isinstance(update, Tensor) or update.shape != local_tensor(buffer).shape:
-                got = tuple(update.shape) if isinstance(update, Tensor) else type(update).__name__
-                raise HyperParallelValueError(
-                    f"momentum_update_fn returned an update of shape {got} for a gradient of "
-                    f"shape {tuple(local_tensor(buffer).shape)}; return each update shaped like "
-                    "its gradient."
-                )
-        return [shard_like(u, b) for u, b in zip(made, buffers, strict=True)]
-    if settings.torch_momentum:
-        return momentum_updates(buffers, grads, m1, group["nesterov"], out)
-    return hyper_parallel_momentum(buffers, grads, m1, m2, group["nesterov"], out)
+    return [shard_like(u, b) for u, b in zip(made, buffers, strict=True)]
 
 
-def _as_update(result: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
+def apply_updates_(local_params: list[Tensor], updates: list[Tensor], options: StepOptions) -> None:
+    """``W <- decay * W + alpha * update`` on the local shards, one foreach call per device and dtype."""
+    for indices in by_device_and_dtype(local_params):
+        mine = [local_params[i] for i in indices]
+        if options.decay != 1:
+            torch._foreach_mul_(mine, options.decay)
+        torch._foreach_add_(mine, [local_tensor(updates[i]) for i in indices], alpha=options.alpha)
+
+
+def _torch_rule(
+    buffers: list[Tensor], grads: list[Tensor], options: StepOptions, out: list[Tensor]
+) -> list[Tensor] | None:
+    return lerp_momentum_(buffers, grads, options.m1, options.nesterov, out)
+
+
+def _hyper_parallel_rule(
+    buffers: list[Tensor], grads: list[Tensor], options: StepOptions, out: list[Tensor]
+) -> list[Tensor] | None:
+    return hyper_parallel_momentum_(buffers, grads, options.m1, options.m2, options.nesterov, out)
+
+
+def as_update(result: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
     """``result`` in ``dtype``, times ``scale``, in contiguous memory.
 
     A tall matrix's Newton-Schulz result can come back as a transposed view;
@@ -217,51 +306,63 @@ def _as_update(result: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
 
 
 class BlockTransform:
-    """Newton-Schulz of one group's whole blocks, each scaled (a ``BlocksFn``).
+    """Newton-Schulz of one group's whole blocks, each scaled (a ``BlocksFn``); made once per group.
 
     Args:
-        group: The Muon param group.
+        group: The Muon param group (its lr is read when a block is scaled,
+            for ``apply_lr_in_update``).
         settings: What its options decide (:class:`MuonSettings`).
-        lr: Its lr this step (for ``apply_lr_in_update``).
-        names: Each block key's param name (keys are positions in the
-            step's params); needed only with ``reshape_fn`` /
-            ``ns_transform_fn``.
+        names: The name of each param of the group, by position: a block's
+            key (:class:`~hyper_parallel.core.distributed.Blocks`); needed
+            only with ``reshape_fn`` / ``ns_transform_fn``.
         zeropower_fn, reshape_fn, ns_transform_fn: HyperParallel's
             extension callables, or ``None``.
         workspace: Newton-Schulz work buffers kept across steps (the
             optimizer's); ``None``: allocated per call.
+        device: Where the group's params live (for :meth:`cost`'s method).
     """
 
     def __init__(
         self,
         group: Mapping[str, Any],
         settings: MuonSettings,
-        lr: float,
         names: Sequence[str | None] = (),
         *,
         zeropower_fn: ZeropowerFn | None = None,
         reshape_fn: ReshapeFn | None = None,
         ns_transform_fn: NSTransformFn | None = None,
         workspace: Workspace | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        self.group, self.settings, self.lr, self.names = group, settings, lr, names
-        self.workspace = workspace
+        self.group, self.settings, self.names = group, settings, names
+        self.workspace, self.device = workspace, device
         self.zeropower_fn = zeropower_fn
         self.reshape_fn, self.ns_transform_fn = reshape_fn, ns_transform_fn
-
-    @property
-    def keyed(self) -> bool:
-        """Whether blocks must come with their param's key (a callable asks per param)."""
-        return self.reshape_fn is not None or self.ns_transform_fn is not None
+        self.keyed = reshape_fn is not None or ns_transform_fn is not None
+        self._shapes: dict[tuple[int, ...], tuple[int, int, int]] = {}
 
     def dtype(self, block: Tensor) -> torch.dtype:
         """The dtype ``block`` is orthogonalized in."""
         return self.settings.dtype_for(block)
 
+    def matrices(self, shape: Sequence[int]) -> tuple[int, int, int]:
+        """How a block of ``shape`` reads as matrices, ``(batch, rows, cols)`` (kept per shape)."""
+        key = tuple(shape)
+        found = self._shapes.get(key)
+        if found is None:
+            found = self._shapes[key] = matrix_shape(key, self.group["matrix_view"])
+        return found
+
+    def cost(self, shape: torch.Size) -> float:
+        """Newton-Schulz FLOPs of a block of ``shape``, for the backend's balance."""
+        batch, rows, cols = self.matrices(shape)
+        device = self.device or torch.device("cpu")
+        method = resolve_ns_method(self.group["ns_method"], rows, cols, device)
+        return batch * newton_schulz_flops(rows, cols, self.group["ns_steps"], method)
+
     def __call__(self, blocks: list[Tensor]) -> list[Tensor]:
         if not self.keyed:
-            view = self.group["matrix_view"]
-            return self._orthogonalize(list(blocks), [matrix_shape(b.shape, view) for b in blocks])
+            return self._orthogonalize(list(blocks), [self.matrices(b.shape) for b in blocks])
         if not isinstance(blocks, Blocks):
             raise HyperParallelValueError(
                 "reshape_fn and ns_transform_fn need to know each block's param, but this sharding "
@@ -277,7 +378,7 @@ class BlockTransform:
         out: list[Tensor | None] = [None] * len(tensors)
 
         def keep(i: int, result: Tensor, scale: float) -> None:
-            out[i] = _as_update(result.reshape(tensors[i].shape), tensors[i].dtype, scale)
+            out[i] = as_update(result.reshape(tensors[i].shape), tensors[i].dtype, scale)
 
         self._run(
             tensors,
@@ -287,35 +388,41 @@ class BlockTransform:
         )
         return cast(list[Tensor], out)
 
-    def stream(
+    def stream_(
         self,
-        layouts: Sequence[Tensor],
-        prepare: Callable[[list[int], list[Tensor]], list[Tensor]],
-        apply: Callable[[int, Tensor], None],
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        buffers: Sequence[Tensor],
+        options: StepOptions,
     ) -> None:
-        """The transform of whole plain tensors, made and applied one at a time.
+        """The whole step of plain params held whole here: each update made, orthogonalized
+        and applied in turn.
 
-        ``prepare([i], [out])`` makes each tensor (in ``out``, a buffer laid
-        out like ``layouts[i]``, unless it is one the caller holds), which
-        is copied into the Newton-Schulz stack of its shape. After the
-        iteration ``apply(i, update)`` gets each scaled update in that same
-        buffer, to apply before the next. Nothing the size of a param is
-        allocated: holding every update of a step at once (what
-        :meth:`__call__` returns) cost a d=1024 transformer 60,000-100,000
-        fresh pages per step on a CPU, a quarter of its time. The numbers
-        are :meth:`__call__`'s, bit for bit.
+        Each param's momentum update goes into a buffer laid out like it
+        (unless it is the momentum buffer itself) and is copied into the
+        Newton-Schulz stack of its shape; after the iteration its scaled
+        update comes back in that same buffer and is applied before the
+        next. Nothing the size of a param is allocated per step (holding
+        every update at once cost a large model a quarter of its CPU step
+        in fresh pages: docs/benchmarks.md). The numbers are those of
+        :meth:`__call__` with :class:`MomentumSource` and
+        :func:`apply_updates_`, bit for bit.
         """
-        view = self.group["matrix_view"]
+        rule = _torch_rule if self.settings.torch_momentum else _hyper_parallel_rule
 
         def fill(i: int, part: Tensor) -> None:
-            made = prepare([i], [self._scratch(layouts[i])])[0]
-            stack_into(part, made.reshape(part.shape), self.workspace)
+            made = rule([buffers[i]], [grads[i]], options, [self._scratch(buffers[i])])
+            update = buffers[i] if made is None else made[0]
+            stack_into(part, update.reshape(part.shape), self.workspace)
 
         def take(i: int, result: Tensor, scale: float) -> None:
-            update = self._scratch(layouts[i])
-            apply(i, update.copy_(result.reshape(update.shape)).mul_(scale))
+            update = self._scratch(buffers[i])
+            update.copy_(result.reshape(update.shape)).mul_(scale)
+            if options.decay != 1:
+                params[i].mul_(options.decay)
+            params[i].add_(update, alpha=options.alpha)
 
-        self._run(layouts, [matrix_shape(t.shape, view) for t in layouts], fill, take)
+        self._run(buffers, [self.matrices(b.shape) for b in buffers], fill, take)
 
     def _run(
         self,
@@ -331,6 +438,7 @@ class BlockTransform:
         of the stack, valid until the next bucket of that shape) and the
         bucket's update scale.
         """
+        lr = live_lr(self.group)
         buckets: dict[tuple[torch.device, torch.dtype, int, int], list[int]] = {}
         for i, (tensor, (_, rows, cols)) in enumerate(zip(tensors, shapes, strict=True)):
             buckets.setdefault((tensor.device, self.dtype(tensor), rows, cols), []).append(i)
@@ -345,7 +453,7 @@ class BlockTransform:
             for i, part in zip(indices, stack.split(counts), strict=True):
                 fill(i, part)
             result = self._newton_schulz(stack)
-            scale = self.settings.scale(rows, cols, self.lr)
+            scale = self.settings.scale(rows, cols, lr)
             for i, part in zip(indices, result.split(counts), strict=True):
                 take(i, part, scale)
 
@@ -408,80 +516,31 @@ class BlockTransform:
         return NSInputTransform(tensors=views, restore=restore)
 
 
-class MuonTeam:
-    """Newton-Schulz of a group's whole matrices as a team of ranks computes it.
+@dataclass(frozen=True)
+class DecidedGroup:
+    """What a Muon group's options and params decide, worked out when they change, never per step.
 
-    The :class:`~hyper_parallel.core.distributed.TeamTransform` Muon hands
-    its sharding backend. Members slice the columns of the iterated matrix
-    (the rows of a tall param, which is iterated transposed; else its first
-    column dim) and run :func:`newton_schulz_team`; each result is scaled
-    like a whole one's. A team always runs the standard iteration (whatever
-    ``ns_method``), in one dtype for the group (``ns_dtype``, else the
-    default for its first param), and sums its Gram matrices in that dtype.
+    Muon makes it when the group is first stepped after it was added, loaded
+    or edited (its deciding options, its params, the optimizer's callables
+    or workspace); a step reads it as data.
 
-    Args:
-        group: A Muon param group (its coefficients, normalization, scale
-            and ``matrix_view``).
-        dtype: The Newton-Schulz dtype.
-        lr: The group's lr this step (for ``apply_lr_in_update``).
-        workspace: Work buffers kept across steps (the optimizer's), or ``None``.
-        settings: What the group's options decide; ``None``: worked out from
-            ``group`` now (Muon passes the ones it keeps).
+    Attributes:
+        settings: What the options decide (rule, coefficients, dtypes, scale).
+        backend: The group's sharding backend.
+        needs: What Newton-Schulz needs of each param, by ``id(param)``.
+        names: Each param's name, by ``id(param)`` (``None`` where it has none).
+        transform: The block transform the backend calls.
+        team: The transform as a team of ranks computes it, where a team
+            may (the standard iteration, no keyed or custom callables).
+        streams: The backend holds every param whole here and nothing asks
+            for more than whole matrices: the step streams param by param
+            (:meth:`BlockTransform.stream_`) instead of calling the backend.
     """
 
-    def __init__(
-        self,
-        group: Mapping[str, Any],
-        dtype: torch.dtype,
-        lr: float = 0.0,
-        workspace: Workspace | None = None,
-        settings: MuonSettings | None = None,
-    ) -> None:
-        if settings is None:
-            from hyper_parallel_builtins.muon._options import resolve_settings
-
-            settings = resolve_settings(group)
-        self.group, self.dtype, self.lr = group, dtype, lr
-        self.workspace = workspace
-        self.settings = settings
-        self.coefficients = settings.coefficients
-
-    def split_dim(self, shape: torch.Size) -> int | None:
-        _, rows, cols = matrix_shape(shape, self.group["matrix_view"])
-        batch = batch_dims(len(shape), self.group["matrix_view"])
-        return batch if rows > cols else batch + 1
-
-    def cost(self, shape: torch.Size, members: int) -> float:
-        batch, rows, cols = matrix_shape(shape, self.group["matrix_view"])
-        return batch * newton_schulz_flops(rows, cols, len(self.coefficients), "standard") / members
-
-    def collectives(self, shape: torch.Size, members: int) -> list[tuple[str, int]]:
-        batch, rows, cols = matrix_shape(shape, self.group["matrix_view"])
-        return newton_schulz_team_collectives(
-            batch, min(rows, cols), self.coefficients, members, self.dtype
-        )
-
-    def __call__(
-        self, slices: list[Tensor], shapes: list[torch.Size], group: ProcessGroup
-    ) -> list[Tensor]:
-        views, talls, scales = [], [], []
-        for piece, shape in zip(slices, shapes, strict=True):
-            batch, rows, cols = matrix_shape(shape, self.group["matrix_view"])
-            tall = rows > cols
-            x = piece.reshape(batch, -1, cols) if tall else piece.reshape(batch, rows, -1)
-            views.append(x.mT if tall else x)
-            talls.append(tall)
-            scales.append(self.settings.scale(rows, cols, self.lr))
-        results = newton_schulz_team(
-            views,
-            self.coefficients,
-            group,
-            eps=self.settings.eps,
-            eps_added=self.settings.eps_added,
-            dtype=self.dtype,
-            workspace=self.workspace,
-        )
-        return [
-            _as_update((r.mT if tall else r).reshape(piece.shape), piece.dtype, scale)
-            for r, tall, piece, scale in zip(results, talls, slices, scales, strict=True)
-        ]
+    settings: MuonSettings
+    backend: ShardingBackend
+    needs: Mapping[int, Need]
+    names: Mapping[int, str | None]
+    transform: BlockTransform
+    team: TeamTransform | None
+    streams: bool

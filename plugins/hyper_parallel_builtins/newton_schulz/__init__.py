@@ -14,12 +14,18 @@ turns any accepted spelling into exactly ``ns_steps`` triples.
 Each matrix is first divided by its Frobenius norm and an ``eps``, by one of
 two rules: ``max(||X||, eps)`` (``torch.optim.Muon``) or ``||X|| + eps``
 (HyperParallel's ``ns_epsilon``); ``eps_added`` picks the second.
+
+Exported: the iteration on a matrix, a list or a stack (``newton_schulz``,
+``newton_schulz_batched``, ``newton_schulz_stack_`` with ``new_stack`` and
+``stack_into``), a team of ranks' iteration, the coefficient sets, the FLOP
+count and Gram choice, and the :class:`Workspace` that keeps buffers across
+steps: what an optimizer built on the iteration calls. The path tables and
+tuning constants stay in the private modules.
 """
 
 from __future__ import annotations
 
 from hyper_parallel_builtins.newton_schulz._coefficients import (
-    ASYM5_COEFFICIENTS,
     COEFFICIENT_SETS,
     KELLER_COEFFICIENTS,
     Coefficients,
@@ -27,7 +33,6 @@ from hyper_parallel_builtins.newton_schulz._coefficients import (
     resolve_coefficients,
 )
 from hyper_parallel_builtins.newton_schulz._iterate import (
-    SYMMETRIC_BLOCK_ROWS,
     new_stack,
     newton_schulz,
     newton_schulz_batched,
@@ -35,11 +40,7 @@ from hyper_parallel_builtins.newton_schulz._iterate import (
     newton_schulz_stack_,
     stack_into,
 )
-from hyper_parallel_builtins.newton_schulz._paths import (
-    PER_MATRIX_FROM,
-    cpu_path,
-    resolve_ns_method,
-)
+from hyper_parallel_builtins.newton_schulz._paths import resolve_ns_method
 from hyper_parallel_builtins.newton_schulz._team import (
     newton_schulz_team,
     newton_schulz_team_collectives,
@@ -49,24 +50,17 @@ from hyper_parallel_builtins.newton_schulz._workspace import Workspace
 __all__ = [
     "COEFFICIENT_SETS",
     "KELLER_COEFFICIENTS",
-    "newton_schulz",
-    "newton_schulz_batched",
-    "resolve_coefficients",
-]
-# What Muon's step uses (the muon plugin's modules), still imported from
-# here until those modules import it from the private modules that define it.
-__all__ += [
     "CoefficientSpec",
     "Coefficients",
     "Workspace",
     "new_stack",
+    "newton_schulz",
+    "newton_schulz_batched",
     "newton_schulz_flops",
     "newton_schulz_stack_",
     "newton_schulz_team",
     "newton_schulz_team_collectives",
+    "resolve_coefficients",
     "resolve_ns_method",
     "stack_into",
 ]
-# Still imported from here by benchmarks/ (suite.py, ns_paths.py), which move to the
-# private modules later.
-__all__ += ["ASYM5_COEFFICIENTS", "PER_MATRIX_FROM", "SYMMETRIC_BLOCK_ROWS", "cpu_path"]
