@@ -43,7 +43,7 @@ def _plugins_report() -> dict[str, Any]:
                 "plugin": e.plugin,
                 "distribution": e.distribution,
                 **(
-                    {"requires": list(e.requires), "train": not e.requires}
+                    {"requires": list(e.requires), "train": e.unusable_in_plain_loop() is None}
                     if isinstance(e, OptimizerEntry)
                     else {}
                 ),

@@ -119,7 +119,6 @@ def test_argparse_never_shows_internal_names(
     [
         ("lbfgs", "needs a closure"),
         ("sparseadam", "sparse gradients only"),
-        ("torch_muon", "only params with two or more dims"),
     ],
 )
 def test_optimizers_train_cannot_step_are_refused_and_marked(

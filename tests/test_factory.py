@@ -289,8 +289,8 @@ def test_sharding_backend_must_match_the_params(
 
 
 @pytest.mark.parametrize("name", ["muon", "torch_muon"])
-def test_a_matrix_only_optimizer_gives_its_vectors_to_adamw_however_it_says_so(name: str) -> None:
-    # Muon says it by a class attribute, torch_muon by requires=("matrices_only",): one rule
+def test_a_matrix_only_optimizer_gives_its_vectors_to_adamw(name: str) -> None:
+    # both say it one way, requires=("matrices_only",)
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
     with pytest.warns(UserWarning, match=r"fewer than 2 dims were listed for"):
         opt = get_hyper_optimizer(model, optimizers={name: {"params": list(model.parameters())}})

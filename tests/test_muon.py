@@ -675,7 +675,8 @@ def test_step_returns_the_closure_loss_and_skips_params_without_grad() -> None:
 def test_registry_finds_muon_as_a_matrix_only_optimizer() -> None:
     entry = get_registry().get("optimizer", "muon")
     assert entry.obj is Muon
-    assert Muon.matrix_only is True
+    assert entry.matrix_only and entry.requires == ("matrices_only",)
+    assert entry.unusable_in_plain_loop() is None  # its vectors go to AdamW
 
 
 @pytest.mark.parametrize(

@@ -496,3 +496,27 @@ def test_an_optimizer_declares_what_its_loop_must_give() -> None:
             assert "odd_sgd" not in get_registry().names("optimizer")
         finally:
             unregister_plugin(plugin)
+
+
+def test_matrix_only_is_said_one_way_and_the_old_class_attribute_is_refused() -> None:
+    class OldMatrixSGD(torch.optim.SGD):
+        matrix_only = True
+
+    @hookimpl
+    def old(register: Any) -> None:
+        register("old_matrix_sgd", OldMatrixSGD)
+
+    @hookimpl
+    def new(register: Any) -> None:
+        register("new_matrix_sgd", torch.optim.SGD, requires=("matrices_only",))
+
+    with pytest.warns(RuntimeWarning, match=r'matrix_only = True .* requires=\("matrices_only",\)'):
+        register_plugin(_module("oldmatrix", hyper_parallel_register_optimizers=old))
+    register_plugin(_module("newmatrix", hyper_parallel_register_optimizers=new))
+    try:
+        assert "old_matrix_sgd" not in get_registry().names("optimizer")
+        entry = get_registry().get("optimizer", "new_matrix_sgd")
+        assert entry.matrix_only and entry.unusable_in_plain_loop() is None
+    finally:
+        unregister_plugin("oldmatrix")
+        unregister_plugin("newmatrix")

@@ -332,4 +332,5 @@ def hyper_parallel_register_optimizers(register: RegisterFn) -> None:
         "sinkhorn",
         Sinkhorn,
         description="Momentum balanced by Sinkhorn row and column normalization, for matrices",
+        requires=("matrices_only",),
     )

@@ -46,13 +46,13 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
     (so a layout no backend takes fails when the optimizer is built) and
     again only when the group's params or ``sharding`` option change.
 
-    ``matrix_only = True`` tells ``get_hyper_optimizer`` that params with
-    fewer than two dims belong to another optimizer. ``replica_group_size``
+    Register a subclass with ``requires=("matrices_only",)`` so that
+    ``get_hyper_optimizer`` gives params with fewer than two dims to AdamW.
+    ``replica_group_size``
     (HSDP's ``hsdp_replica_count``) limits the replicas that share the work
     (:meth:`~hyper_parallel.core.distributed.ShardingBackend.group_replicas`).
     """
 
-    matrix_only: ClassVar[bool] = True
     #: Group keys a state_dict from an older version may lack, with their defaults.
     extra_group_defaults: ClassVar[Mapping[str, Any]] = {"sharding": None}
 

@@ -86,6 +86,10 @@ OPTIMIZER_REQUIREMENTS: dict[str, str] = {
     "matrices_only": "it takes only params with two or more dims",
 }
 
+#: Requirements ``get_hyper_optimizer`` (and so ``hyper-parallel train``) meets for a plain
+#: loop: a matrix-only optimizer's other params go to AdamW.
+_MET_BY_THE_FACTORY = frozenset({"matrices_only"})
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerEntry(RegistryEntry):
@@ -100,18 +104,18 @@ class OptimizerEntry(RegistryEntry):
 
     @property
     def matrix_only(self) -> bool:
-        """Whether it takes only params with two or more dims; the one place that is decided.
+        """Whether it takes only params with two or more dims (``requires=("matrices_only",)``).
 
-        Declared by ``requires=("matrices_only",)`` at registration, or by a
-        class attribute ``matrix_only = True`` on the optimizer (as on the
-        built-in Muon and Sinkhorn). :func:`get_hyper_optimizer` gives such an
-        optimizer's vectors to AdamW.
+        :func:`get_hyper_optimizer` gives such an optimizer's vectors to AdamW.
         """
-        return "matrices_only" in self.requires or bool(getattr(self.obj, "matrix_only", False))
+        return "matrices_only" in self.requires
 
     def unusable_in_plain_loop(self) -> str | None:
-        """Why a plain training loop cannot step this optimizer, or ``None`` if it can."""
-        reasons = [OPTIMIZER_REQUIREMENTS[r] for r in self.requires]
+        """Why a plain training loop cannot step this optimizer, or ``None`` if it can.
+
+        A matrix-only optimizer can: ``get_hyper_optimizer`` gives its vectors to AdamW.
+        """
+        reasons = [OPTIMIZER_REQUIREMENTS[r] for r in self.requires if r not in _MET_BY_THE_FACTORY]
         return "; ".join(reasons) or None
 
 

@@ -241,6 +241,11 @@ class Registry:
                         f"alias {alias!r} of {kind.label} {name!r} is not a valid name."
                     )
             check_obj(kind, name, obj)
+            if kind is PluginKind.OPTIMIZER and getattr(obj, "matrix_only", False):
+                raise HyperParallelTypeError(
+                    f"optimizer {name!r} says matrix_only = True on its class, which is not read; "
+                    'register it with requires=("matrices_only",) instead.'
+                )
             extra = {"requires": _requirements(kind, name, requires)} if requires else {}
             entry = ENTRY_TYPES[kind](
                 kind=kind,

@@ -40,14 +40,13 @@ def hyper_parallel_register_optimizers(register: RegisterFn) -> None:
     optimizer class is the usual choice. ``params`` is a list of param-group
     dicts. Its keyword arguments are checked against its signature before it
     is called, so a misspelt keyword is reported with a suggestion instead of
-    being dropped. ``requires=("matrices_only",)``, or a class attribute
-    ``matrix_only = True``, tells
-    :func:`~hyper_parallel.core.optimizer.get_hyper_optimizer` that params with
-    fewer than two dims belong to another optimizer (AdamW); both end up in
-    ``OptimizerEntry.matrix_only``. ``requires=``
-    names what it needs of the loop that steps it (``"closure"``,
-    ``"sparse_grads"``, ``"matrices_only"``); ``hyper-parallel train`` refuses
-    an optimizer with any, and ``hyper-parallel plugins`` shows them.
+    being dropped. ``requires=`` names what it needs of the loop that steps
+    it (``"closure"``, ``"sparse_grads"``, ``"matrices_only"``), and
+    ``hyper-parallel plugins`` shows them. ``"matrices_only"`` tells
+    :func:`~hyper_parallel.core.optimizer.get_hyper_optimizer` (and
+    ``hyper-parallel train``) that params with fewer than two dims belong to
+    AdamW (``OptimizerEntry.matrix_only``); ``hyper-parallel train`` refuses
+    an optimizer with either of the others.
     """
 
 

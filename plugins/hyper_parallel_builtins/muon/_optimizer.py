@@ -466,4 +466,5 @@ def hyper_parallel_register_optimizers(register: RegisterFn) -> None:
         Muon,
         description="HyperParallel's Muon: momentum orthogonalized by Newton\u2013Schulz, for "
         "hidden-layer matrices",
+        requires=("matrices_only",),
     )
