@@ -112,7 +112,7 @@ def cpu_kind() -> str:
 
     ``"amx"``: AMX-BF16 tiles; ``"avx512_bf16"``: bf16 dot products in
     AVX-512 but no AMX; ``"avx2"``: no native bf16 (torch emulates bf16
-    matmul, about 30x slower than fp32); ``"other"``: none of these (or a
+    matmul, many times slower than fp32: docs/benchmarks.md); ``"other"``: none of these (or a
     torch without the probe). It is what torch's CPU capability reports,
     lowered by ``ONEDNN_MAX_CPU_ISA`` where that caps oneDNN, which runs
     torch's bf16 matmuls, below the hardware. Worked out once per process,
@@ -148,8 +148,8 @@ def cpu_kind_of(capability: Mapping[str, bool], onednn_cap: str) -> str:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware (:func:`cpu_kind` is AMX or AVX512-BF16).
 
-    Without either, torch emulates bf16 matmul on the CPU, about 30x slower
-    than fp32. Unknown (a torch without the probe) reads as no.
+    Without either, torch emulates bf16 matmul on the CPU, many times slower
+    than fp32 (docs/benchmarks.md, "Why Newton-Schulz is fast on a CPU"). Unknown (a torch without the probe) reads as no.
     """
     return cpu_kind() in ("amx", "avx512_bf16")
 

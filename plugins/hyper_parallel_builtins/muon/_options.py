@@ -181,7 +181,7 @@ def default_ns_dtype(param: Tensor) -> torch.dtype:
       HyperParallel iterates;
     * on a CPU, bfloat16 where it multiplies bf16 in hardware (AVX512-BF16
       or AMX-BF16), float32 otherwise: without them torch emulates bf16
-      matmul, about 30x slower than fp32 (figures in the benchmarks page).
+      matmul, many times slower than fp32 (figures in the benchmarks page).
 
     Pass ``ns_dtype`` to choose.
 

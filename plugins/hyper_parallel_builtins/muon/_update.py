@@ -298,7 +298,7 @@ def as_update(result: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
 
     A tall matrix's Newton-Schulz result can come back as a transposed view;
     cast and laid out in one copy, its update is applied over contiguous
-    memory (on a CPU, adding a transposed 2048 x 512 update took 16x the time).
+    memory (a transposed one is many times slower to add on a CPU: docs/benchmarks.md).
     It is always a copy: ``result`` may be a view of a ``Workspace`` buffer,
     which the next Newton-Schulz call on its shape overwrites.
     """

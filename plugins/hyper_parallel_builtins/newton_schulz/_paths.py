@@ -40,8 +40,6 @@ class CpuPath:
             view (``P^T @ X``), else as stored (``P @ X``). ``P`` is
             symmetric, so the two agree up to rounding, but CPU BLAS picks
             different kernels for the two layouts.
-        measured: The figure the choice rests on (``docs/benchmarks.md``
-            gives the command), or how it was chosen where none was measured.
         tall_transposed: A stack of tall matrices is laid out transposed
             (:func:`new_stack`), so the iteration on their wide transposes
             reads contiguous operands; else it reads the stack through a
@@ -51,7 +49,6 @@ class CpuPath:
 
     per_matrix: bool
     poly_transposed: bool
-    measured: str
     tall_transposed: bool = False
 
 
@@ -63,39 +60,26 @@ class CpuPath:
 #: "Newton-Schulz paths by CPU kind").
 CPU_PATHS: Mapping[tuple[str, torch.dtype], CpuPath] = MappingProxyType(
     {
-        ("amx", torch.bfloat16): CpuPath(
-            False,
-            False,
-            "batched P @ X 0.85x (d=1024 set), 0.99x (d=512); per matrix 0.97-1.05x; "
-            "X X^T of a transposed view 1277-1432 GFLOP/s against 2239-2410 contiguous",
-            tall_transposed=True,
-        ),
-        ("avx512_bf16", torch.bfloat16): CpuPath(
-            True, False, "d=1024 set: per matrix P @ X 0.79x, P^T @ X 0.80x; batched P @ X 0.99x"
-        ),
+        # batched P @ X was fastest; the Gram product of a transposed view was slow
+        ("amx", torch.bfloat16): CpuPath(False, False, tall_transposed=True),
+        # per matrix, P @ X was fastest
+        ("avx512_bf16", torch.bfloat16): CpuPath(True, False),
+        # per matrix, P^T @ X: on fp32, and on AVX2 whose fast layouts read P transposed
         **dict.fromkeys(
-            [("amx", torch.float32), ("avx512_bf16", torch.float32)],
-            CpuPath(True, True, "d=1024 set: per matrix 0.83-0.86x; batched P @ X 0.99-1.03x"),
-        ),
-        **dict.fromkeys(
-            [("avx2", torch.float32), ("avx2", torch.bfloat16)],
-            CpuPath(True, True, "per matrix 0.72-0.92x at 640-1024 rows; P^T @ X layouts "
-                    "116-120 GFLOP/s against 86 (float32), 11-15 against 1.3 (bf16)"),
+            [("amx", torch.float32), ("avx512_bf16", torch.float32),
+             ("avx2", torch.float32), ("avx2", torch.bfloat16)],
+            CpuPath(True, True),
         ),
     }
 )  # fmt: skip
 
 #: A (CPU kind, dtype) no one has measured: the FLOP count decides. Symmetric
 #: products do fewer FLOPs, and the two layouts do the same FLOPs.
-UNMEASURED_CPU_PATH = CpuPath(
-    per_matrix=True, poly_transposed=True, measured="not measured: the FLOP count"
-)
+UNMEASURED_CPU_PATH = CpuPath(per_matrix=True, poly_transposed=True)
 
 #: Accelerators (not measured): one batched GEMM per product, a few large
 #: kernels rather than the many small ones of the symmetric products.
-ACCELERATOR_PATH = CpuPath(
-    per_matrix=False, poly_transposed=True, measured="not measured: one batched GEMM per product"
-)
+ACCELERATOR_PATH = CpuPath(per_matrix=False, poly_transposed=True)
 
 
 def cpu_path(dtype: torch.dtype, device: torch.device, kind: str | None = None) -> CpuPath:
