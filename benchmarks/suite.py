@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.against import case_against
 from benchmarks.checkpoint import case_checkpoint
 from benchmarks.common import (
     FIGURE_BUDGET_S,
@@ -631,7 +632,11 @@ CASES: dict[str, Callable[[Settings], Iterator[Row]]] = {
     "paths": case_paths,
     "preemption": case_preemption,
     "compile": case_compile,
+    "against": case_against,
 }
+
+#: What ``--cases`` runs when not given: every case but ``against``, which needs ``--against``.
+DEFAULT_CASES = [name for name in CASES if name != "against"]
 
 
 # ---------------------------------------------------------------- output
@@ -788,8 +793,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--cases", default=",".join(CASES),
-                        help=f"comma-separated, from {', '.join(CASES)} (default: all)")  # fmt: skip
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
+                        help=f"comma-separated, from {', '.join(CASES)} (default: all but "
+                        "against)")  # fmt: skip
+    parser.add_argument("--against", metavar="REV",
+                        help="with --cases against: the commit this checkout's Muon step is "
+                        "timed against, in the same run")  # fmt: skip
     parser.add_argument("--quick", action="store_true",
                         help="d=256 x 4 layers, fewer repeats: minutes, not tens of minutes")  # fmt: skip
     parser.add_argument("--dims", help="comma-separated model widths (default 512,1024)")
@@ -828,6 +837,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats:
         settings.repeats = args.repeats
     settings.peers = not args.no_peers
+    if "against" in names and not args.against:
+        parser.error("--cases against needs --against REV (a commit, tag or branch)")
+    if args.against:
+        settings.extra["against"] = args.against
     if args.muon_peers:
         chosen = tuple(n.strip() for n in args.muon_peers.split(",") if n.strip())
         if not chosen or set(chosen) - set(MUON_PEER_NAMES):

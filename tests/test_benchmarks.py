@@ -298,3 +298,27 @@ def test_the_paths_case_times_each_newton_schulz_path_and_names_the_chosen_one()
         row.split("|")[2].strip() for row in rows
     }
     assert "python -m benchmarks --cases paths --dims 32" in result.stdout
+
+
+def test_against_needs_a_revision_and_says_so() -> None:
+    result = _bench("--cases", "against")
+    assert result.returncode == 2
+    assert "--cases against needs --against REV" in result.stderr
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs a git checkout")
+def test_against_times_this_checkout_and_another_commit_in_one_run() -> None:
+    before = _worktrees()
+    result = _bench("--cases", "against", "--against", "HEAD", "--dims", "32", "--layers", "1",
+                    "--repeats", "1")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if "this checkout against HEAD" in line]
+    assert len(rows) == 2 and "400 matrices 64x64" in rows[1]
+    assert "python -m benchmarks --cases against --against HEAD" in result.stdout
+    assert _worktrees() == before  # the other commit's checkout is gone
+
+
+def _worktrees() -> list[str]:
+    listed = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True,
+                            text=True, check=True)  # fmt: skip
+    return listed.stdout.splitlines()
