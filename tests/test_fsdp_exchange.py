@@ -8,8 +8,8 @@ exchange put a wrong number in a wrong place.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -172,24 +172,29 @@ def _check_prepare_order(mesh: Any, world_size: int) -> None:
 
 
 @contextmanager
-def recording_exchanges(events: list[Any]) -> Iterator[None]:
-    """Append ``"exchange"`` to ``events`` at each owner-exchange collective, either transport."""
+def watching_exchanges(watch: Callable[[str, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:
+    """Call ``watch(name, output, input)`` at each owner-exchange collective, either transport."""
     real = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_single")}
 
-    def recording(collective: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            events.append("exchange")
-            return collective(*args, **kwargs)
+    def watched(name: str) -> Any:
+        def call(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            watch(name, output, input)
+            return real[name](output, input, *args, **kwargs)
 
         return call
 
-    for name, collective in real.items():
-        setattr(dist, name, recording(collective))
+    for name in real:
+        setattr(dist, name, watched(name))
     try:
         yield
     finally:
         for name, collective in real.items():
             setattr(dist, name, collective)
+
+
+def recording_exchanges(events: list[Any]) -> AbstractContextManager[None]:
+    """Append ``"exchange"`` to ``events`` at each owner-exchange collective."""
+    return watching_exchanges(lambda name, output, input: events.append("exchange"))
 
 
 def _exchange(rank: int, world_size: int) -> None:

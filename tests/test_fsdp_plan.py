@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from test_fsdp_exchange import SumTeam, example_params, small_buckets, whole_block_transform
+from test_fsdp_exchange import (
+    SumTeam,
+    example_params,
+    small_buckets,
+    watching_exchanges,
+    whole_block_transform,
+)
 
 from hyper_parallel.core.distributed import Need, WholeMatrices
 from hyper_parallel.core.distributed.toolkit import assign_owners, exchange_rounds
@@ -134,27 +139,14 @@ def _check_the_printed_plan(plan: Any) -> None:
             assert any(f"#{a.index} {tuple(shapes[a.index])}" in ln for ln in owner_lines), text
 
 
-@contextmanager
-def _recording_bytes(moved: list[tuple[int, int]]) -> Iterator[None]:
+def _recording_bytes(moved: list[tuple[int, int]]) -> AbstractContextManager[None]:
     """Record what each exchange collective sends and receives from others, in bytes."""
-    real = {name: getattr(dist, name) for name in ("all_to_all_single", "all_gather_single")}
 
-    def recording(name: str) -> Any:
-        def call(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            sent, size = input.numel() * input.element_size(), output.element_size()
-            received = output.numel() * size - (sent if name == "all_gather_single" else 0)
-            moved.append((sent, received))
-            return real[name](output, input, *args, **kwargs)
+    def record(name: str, output: torch.Tensor, input: torch.Tensor) -> None:
+        sent, size = input.numel() * input.element_size(), output.element_size()
+        moved.append((sent, output.numel() * size - (sent if name == "all_gather_single" else 0)))
 
-        return call
-
-    for name in real:
-        setattr(dist, name, recording(name))
-    try:
-        yield
-    finally:
-        for name, collective in real.items():
-            setattr(dist, name, collective)
+    return watching_exchanges(record)
 
 
 def _check_the_bytes_it_states(sharded: list[Any], needs: list[Need]) -> None:
