@@ -197,13 +197,14 @@ def _matrix() -> nn.Parameter:
         ({"momentum": 1.0}, r"momentum should be a float in \[0, 1\)"),
         ({"momentum": -0.1}, r"momentum should be"),
         ({"momentum": float("nan")}, r"momentum should be"),
-        ({"lr": -1e-3}, r"Learning rate should be >= 0"),
-        ({"lr": "fast"}, r"lr should be a float"),
+        ({"lr": -1e-3}, r"Learning rate should be finite and >= 0"),
+        ({"lr": float("inf")}, r"Learning rate should be finite"),
+        ({"lr": "fast"}, r"lr should be a finite float"),
         ({"lr": torch.tensor([0.1, 0.2])}, r"tensor lr must have 1 element"),
-        ({"eps": 0.0}, r"eps should be a float > 0"),
-        ({"tau": -0.5}, r"tau should be a float >= 0"),
-        ({"correction": 0.0}, r"correction should be a float > 0"),
-        ({"correction": -1.0}, r"correction should be"),
+        ({"eps": 0.0}, r"eps should be a finite float > 0"),
+        ({"tau": -0.5}, r"tau should be a finite float >= 0"),
+        ({"correction": -1.0}, r"correction should be a finite float >= 0 \(0: params stay"),
+        ({"correction": float("nan")}, r"correction should be"),
         ({"sharding": 3}, r"sharding should be a backend name"),
     ],
 )
@@ -214,7 +215,7 @@ def test_bad_options_are_refused(options: dict[str, Any], match: str) -> None:
 
 @pytest.mark.parametrize("shape", [(5,), (2, 3, 4), ()])
 def test_params_that_are_not_matrices_are_refused(shape: tuple[int, ...]) -> None:
-    pattern = rf"only updates 2-D matrices.*shape {re.escape(str(shape))}.*AdamW"
+    pattern = rf"only updates non-empty 2D matrices.*shape {re.escape(str(shape))}.*AdamW"
     with pytest.raises(ValueError, match=pattern):
         Sinkhorn([nn.Parameter(torch.randn(shape))])
 
@@ -231,7 +232,7 @@ def test_a_failing_add_param_group_leaves_the_groups_unchanged() -> None:
     )
     with pytest.raises(ValueError, match=r"steps should be an odd int"):
         opt.add_param_group({"params": [_matrix()], "steps": 4})
-    with pytest.raises(ValueError, match=r"only updates 2-D matrices.*\(7,\)"):
+    with pytest.raises(ValueError, match=r"only updates non-empty 2D matrices.*\(7,\)"):
         opt.add_param_group({"params": [nn.Parameter(torch.randn(7))]})
     with pytest.raises(ValueError, match=r"no weight decay"):
         opt.add_param_group({"params": [_matrix()], "weight_decay": 0.01})

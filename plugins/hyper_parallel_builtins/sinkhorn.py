@@ -24,11 +24,12 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from hyper_parallel import hookimpl
-from hyper_parallel.core.distributed import Reducer
+from hyper_parallel.core.distributed import GroupBackends, Reducer
 from hyper_parallel.core.distributed.toolkit import is_dtensor, local_tensor
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer import MatrixOptimizer, momentum_updates
 from hyper_parallel.core.plugin import RegisterFn
+from hyper_parallel_builtins.muon._options import check_replica_count
 
 __all__ = ["Sinkhorn"]
 
@@ -43,7 +44,12 @@ def _is_real(value: object) -> bool:
 
 
 def _validate_options(options: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` for an out-of-range option, naming it and saying what is accepted."""
+    """Raise ``ValueError`` for an out-of-range option, naming it and saying what is accepted.
+
+    HyperParallel's checks: ``lr`` and ``correction`` finite and >= 0,
+    ``momentum`` in ``[0, 1)``, ``steps`` a positive odd int, ``eps`` finite
+    and > 0, ``tau`` finite and >= 0, no weight decay.
+    """
     lr = options["lr"]
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
@@ -52,10 +58,10 @@ def _validate_options(options: Mapping[str, Any]) -> None:
             )
     elif not _is_real(lr):
         raise HyperParallelValueError(
-            f"lr should be a float >= 0 (or a 1-element tensor), got {lr!r}."
+            f"lr should be a finite float >= 0 (or a 1-element tensor), got {lr!r}."
         )
-    if not lr >= 0.0:
-        raise HyperParallelValueError(f"Learning rate should be >= 0 but is: {lr}")
+    if not (math.isfinite(lr) and lr >= 0.0):
+        raise HyperParallelValueError(f"Learning rate should be finite and >= 0 but is: {lr}")
 
     weight_decay = options["weight_decay"]
     if not _is_real(weight_decay) or weight_decay != 0:
@@ -80,7 +86,7 @@ def _validate_options(options: Mapping[str, Any]) -> None:
         zero_allowed=True,
         meaning=" (rows with norm <= tau * mean row norm stay still)",
     )
-    _check_bound(options, "correction", zero_allowed=False)
+    _check_bound(options, "correction", zero_allowed=True, meaning=" (0: params stay still)")
     sharding = options["sharding"]
     if sharding is not None and not isinstance(sharding, str):
         raise HyperParallelValueError(
@@ -91,27 +97,60 @@ def _validate_options(options: Mapping[str, Any]) -> None:
 def _check_bound(
     options: Mapping[str, Any], name: str, *, zero_allowed: bool, meaning: str = ""
 ) -> None:
-    """``options[name]`` is a real number > 0 (or >= 0 where ``zero_allowed``)."""
+    """``options[name]`` is a finite real number > 0 (or >= 0 where ``zero_allowed``)."""
     value = options[name]
-    if not _is_real(value) or not (value >= 0.0 if zero_allowed else value > 0.0):
+    if (
+        not _is_real(value)
+        or not math.isfinite(value)
+        or not (value >= 0.0 if zero_allowed else value > 0.0)
+    ):
         bound = ">= 0" if zero_allowed else "> 0"
-        raise HyperParallelValueError(f"{name} should be a float {bound}{meaning}, got {value!r}.")
+        raise HyperParallelValueError(
+            f"{name} should be a finite float {bound}{meaning}, got {value!r}."
+        )
 
 
-def _validate_param(param: Tensor, group: Mapping[str, Any]) -> None:
-    """Refuse a param that is not a real 2-D matrix (no group option changes that)."""
+def _validate_param(param: Tensor) -> None:
+    """Refuse a param that is not a real, non-empty 2-D matrix (no group option changes that)."""
     if param.ndim != 2:
         raise HyperParallelValueError(
-            f"Sinkhorn only updates 2-D matrices (it normalizes their rows and columns), but got "
-            f"a param of shape {tuple(param.shape)} ({param.ndim}-D). Give params with fewer "
-            "than 2 dims (biases, norm weights) to AdamW, e.g. with get_hyper_optimizer, which "
-            "moves them there; give N-D params (conv kernels, expert stacks) to Muon or AdamW."
+            f"Sinkhorn only updates non-empty 2D matrices (it normalizes their rows and "
+            f"columns), but got a param of shape {tuple(param.shape)} ({param.ndim}-D). Give "
+            "params with fewer than 2 dims (biases, norm weights) to AdamW, e.g. with "
+            "get_hyper_optimizer, which moves them there; give N-D params (conv kernels, "
+            "expert stacks) to Muon or AdamW."
+        )
+    if min(param.shape) == 0:
+        raise HyperParallelValueError(
+            f"Sinkhorn only updates non-empty 2D matrices, but got a param of shape "
+            f"{tuple(param.shape)}: it has no rows or no columns to normalize. Leave it out "
+            "of the optimizer (it has nothing to update)."
         )
     if param.is_complex() or not param.is_floating_point():
         raise HyperParallelValueError(
             f"Sinkhorn needs real floating-point params, got {param.dtype} for the param of "
             f"shape {tuple(param.shape)}; optimize it with AdamW or view it as real."
         )
+
+
+def _check_replica_groups(param: Tensor, count: int | None) -> None:
+    """``hsdp_replica_count`` divides each replicated mesh dim of ``param`` larger than it.
+
+    HyperParallel splits every replicate group of more than ``count`` ranks
+    into groups of ``count``, so one it does not divide is a ``ValueError``
+    there, and here too.
+    """
+    if count is None or not is_dtensor(param):
+        return
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    for dim, placement in enumerate(param.placements):  # type: ignore[attr-defined]
+        size = mesh.size(dim)
+        if placement.is_replicate() and size > count and size % count:
+            raise HyperParallelValueError(
+                f"hsdp_replica_count={count} must evenly divide the {size} replicas of mesh "
+                f"dim {dim} of the param of shape {tuple(param.shape)} (placements "
+                f"{param.placements}); choose a divisor of {size}, or leave it unset."  # type: ignore[attr-defined]
+            )
 
 
 def sinkhorn_normalize(
@@ -190,7 +229,8 @@ class Sinkhorn(MatrixOptimizer):
 
     Args:
         params: Params or param-group dicts; a group may override any
-            option below, the keyword-only ones included.
+            option below but ``hsdp_replica_count``, the keyword-only ones
+            included.
         lr: Learning rate :math:`\gamma` (a float or a 1-element tensor).
         momentum: Momentum factor :math:`\mu`, in ``[0, 1)``.
         nesterov: Normalize the Nesterov look-ahead rather than the buffer.
@@ -199,7 +239,14 @@ class Sinkhorn(MatrixOptimizer):
         eps: Added to every norm before dividing by it, > 0.
         tau: Rows whose norm is at most :math:`\tau` times the mean row norm
             are zeroed (their params do not move), >= 0.
-        correction: Factor :math:`c` on the update, > 0.
+        correction: Factor :math:`c` on the update, >= 0 (0: params do
+            not move; the momentum still does).
+        hsdp_replica_count: HyperParallel's size of the groups of HSDP
+            replicas that share the optimizer's work: ``None`` or a positive
+            int that divides each replicated mesh dim larger than it. Checked
+            as HyperParallel checks it; it changes no number here, where each
+            rank updates its own shard and only row and column norms travel,
+            so there is no per-matrix work for replicas to share.
         weight_decay: Must be 0: Sinkhorn has no weight decay (decay with
             AdamW). Accepted so that code passing ``weight_decay=0`` works.
         sharding: For sharded (DTensor) params, the sharding backend whose
@@ -209,9 +256,13 @@ class Sinkhorn(MatrixOptimizer):
             placements. Resolved once per group, when the group is added.
 
     Raises:
-        ValueError: a param that is not a real 2-D matrix, an out-of-range
-            option, non-zero ``weight_decay``, or (at ``step``) a sparse or
-            ``Partial`` DTensor gradient.
+        ValueError: a param that is not a real, non-empty 2-D matrix, an
+            out-of-range option (when a group is added, and at each
+            ``step``, as HyperParallel checks them), non-zero
+            ``weight_decay``, an ``hsdp_replica_count`` that is not positive
+            or does not divide a replicated mesh dim, or (at ``step``) a
+            sparse or ``Partial`` DTensor gradient.
+        TypeError: an ``hsdp_replica_count`` that is not an int.
 
     Examples:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
@@ -231,10 +282,12 @@ class Sinkhorn(MatrixOptimizer):
         eps: float = 1e-20,
         tau: float = 1e-3,
         correction: float = 0.18,
+        hsdp_replica_count: int | None = None,
         *,
         weight_decay: float = 0.0,
         sharding: str | None = None,
     ) -> None:
+        self.hsdp_replica_count = check_replica_count(hsdp_replica_count)
         defaults: dict[str, Any] = {
             "lr": lr,
             "momentum": momentum,
@@ -246,11 +299,26 @@ class Sinkhorn(MatrixOptimizer):
             "weight_decay": weight_decay,
             "sharding": sharding,
         }
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, replica_group_size=self.hsdp_replica_count)
 
     _check_options = staticmethod(_validate_options)
 
-    _check_param = staticmethod(_validate_param)
+    def _check_param(self, param: Tensor, group: dict[str, Any]) -> None:
+        """A real, non-empty 2-D matrix, on a mesh ``hsdp_replica_count`` can group."""
+        _validate_param(param)
+        _check_replica_groups(param, self.hsdp_replica_count)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state, with ``hsdp_replica_count`` (copies and pickles keep it)."""
+        state = super().__getstate__()
+        state["hsdp_replica_count"] = self.hsdp_replica_count
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a copy or pickle; its backends are resolved again, with its replica count."""
+        count = state.setdefault("hsdp_replica_count", None)
+        state.setdefault("_backends", GroupBackends(replica_group_size=count))
+        super().__setstate__(state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict``, keeping momentum buffers in their float32 (or float64) dtype.
@@ -298,6 +366,7 @@ class Sinkhorn(MatrixOptimizer):
         return torch.zeros_like(grad, dtype=state_dtype(param), memory_format=torch.preserve_format)
 
     def _step_group(self, group: dict[str, Any]) -> None:
+        _validate_options(group)  # a group's options may have been edited since it was added
         params, grads, buffers = self._params_with_grads(group)
         if not params:
             return
