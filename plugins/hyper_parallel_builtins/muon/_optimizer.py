@@ -156,8 +156,8 @@ class Muon(MatrixOptimizer):
         ns_variant: Coefficient set: ``"asym5"`` (a triple per iteration,
             at most 5; the default, ``None``, except with torch's keywords,
             whose default is ``"legacy"``), ``"legacy"`` (Keller Jordan's
-            ``(3.4445, -4.7750, 2.0315)`` at every step), ``"custom"`` (one
-            triple per iteration from ``ns_coefficients``), or another set of
+            ``(3.4445, -4.7750, 2.0315)`` at every step), ``"custom"`` (the
+            triple of each iteration from ``ns_coefficients``), or another set of
             :data:`~hyper_parallel_builtins.newton_schulz.COEFFICIENT_SETS`
             (``"polar_express"``, ``"cubic"``).
         hsdp_replica_count: HSDP replicas that share one copy of the
@@ -173,7 +173,10 @@ class Muon(MatrixOptimizer):
         head_dim: The head size of the default selection.
         head_wise_patterns: ``{regex: head_dim}`` replacing the default selection.
         ns_coefficients: With ``ns_variant="custom"``, at least ``ns_steps``
-            finite ``(a, b, c)``; or one triple, torch's form (torch's convention).
+            finite ``(a, b, c)`` (the first ``ns_steps`` used), or a schedule
+            of ``((a, b, c), repeat)`` pairs whose repeats add up to
+            ``ns_steps``, e.g. ``[(keller, 8), ((2, -1.5, 0.5), 2)]`` with
+            ``ns_steps=10``; or one triple, torch's form (torch's convention).
         ns_epsilon: Added to each matrix's norm before Newton-Schulz.
         zeropower_fn: ``fn(x, steps=ns_steps)`` in place of Newton-Schulz,
             on a ``(m, n)`` matrix or ``(B, m, n)`` stack of whole matrices.

@@ -41,6 +41,7 @@ from hyper_parallel_builtins.newton_schulz._coefficients import (
     KELLER_COEFFICIENTS,
     Coefficients,
     custom_coefficients,
+    is_schedule,
     is_triple,
     resolve_coefficients,
 )
@@ -264,7 +265,12 @@ def _check_momentum(options: dict[str, Any], torch_rule: bool) -> None:
 
 
 def _check_coefficients(options: Mapping[str, Any]) -> None:
-    """``ns_variant`` with ``ns_coefficients``, as HyperParallel checks them (plus torch's triple)."""
+    """``ns_variant`` with ``ns_coefficients``, as HyperParallel checks them.
+
+    Beyond HyperParallel's forms: torch's single triple, and with
+    ``ns_variant="custom"`` a schedule of ``((a, b, c), repeat)`` pairs
+    (:func:`~hyper_parallel_builtins.newton_schulz._coefficients.expand_schedule`).
+    """
     variant, spec, steps = options["ns_variant"], options["ns_coefficients"], options["ns_steps"]
     if variant is not None and variant not in NS_VARIANTS:
         raise HyperParallelValueError(
@@ -280,21 +286,24 @@ def _check_coefficients(options: Mapping[str, Any]) -> None:
         if variant == "custom":
             raise HyperParallelValueError(
                 f"ns_variant='custom' takes one (a, b, c) triple per iteration, got the single "
-                f"triple {tuple(spec)}; give [{tuple(spec)}] * ns_steps, or drop ns_variant to "
-                "use one triple at every step as torch.optim.Muon does."
+                f"triple {tuple(spec)}; give [{tuple(spec)}] * ns_steps (or the schedule "
+                f"[({tuple(spec)}, ns_steps)]), or drop ns_variant to use one triple at every "
+                "step as torch.optim.Muon does."
             )
         resolve_coefficients(spec, steps)
     elif spec is not None:
         if variant != "custom":
+            form = "a schedule of ((a, b, c), repeat) pairs" if is_schedule(spec) else repr(spec)
             raise HyperParallelValueError(
-                "ns_coefficients can only be provided when ns_variant='custom' (or as one "
-                f"(a, b, c) triple, torch.optim.Muon's form); got ns_variant={variant!r}."
+                f"ns_coefficients can only be provided when ns_variant='custom' (or as one "
+                f"(a, b, c) triple, torch.optim.Muon's form); got {form} with "
+                f"ns_variant={variant!r}. Add ns_variant='custom'."
             )
         custom_coefficients(spec, steps)
     elif variant == "custom":
         raise HyperParallelValueError(
             "ns_coefficients must be provided when ns_variant='custom': one (a, b, c) triple "
-            "per iteration."
+            "per iteration, or a schedule of ((a, b, c), repeat) pairs."
         )
     else:
         resolve_coefficients(variant or "asym5", steps)

@@ -1,4 +1,10 @@
-"""Coefficient sets: the ``(a, b, c)`` of each Newton-Schulz iteration, by name or given."""
+"""Coefficient sets: the ``(a, b, c)`` of each Newton-Schulz iteration, by name or given.
+
+Given ones are one triple per iteration, or a schedule of
+``((a, b, c), repeat)`` pairs whose repeats add up to ``ns_steps``
+(:func:`expand_schedule`); either way every path iterates the same
+per-iteration triples.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +12,21 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias, TypeGuard
 
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.options import did_you_mean
 
-if TYPE_CHECKING:
-    pass
-
-
 Coefficients: TypeAlias = tuple[float, float, float]
 """One iteration's ``(a, b, c)``."""
 
-CoefficientSpec: TypeAlias = str | Sequence[float] | Sequence[Sequence[float]]
-"""A set name, one triple (used every iteration), or one triple per iteration."""
+CoefficientSchedule: TypeAlias = Sequence[tuple[Sequence[float], int]]
+"""``((a, b, c), repeat)`` pairs: each triple for ``repeat`` iterations in turn."""
+
+CoefficientSpec: TypeAlias = str | Sequence[float] | Sequence[Sequence[float]] | CoefficientSchedule
+"""A set name, one triple (used every iteration), one triple per iteration, or a schedule."""
+
+_SCHEDULE_FORM = "((a, b, c), repeat)"
 
 MAX_NS_STEPS = 99
 """The most iterations accepted (the same bound as ``torch.optim.Muon``)."""
@@ -85,14 +92,15 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _as_triple(value: object, where: str) -> Coefficients:
+def _as_triple(value: object, where: str, hint: str = "") -> Coefficients:
     if isinstance(value, str) or not isinstance(value, Sequence) or len(value) != 3:
         raise HyperParallelValueError(
-            f"{where} must contain exactly three values (a, b, c), got {value!r}."
+            f"{where} must contain exactly three values (a, b, c), got {value!r}.{hint}"
         )
     if not all(_is_real(v) for v in value):
         raise HyperParallelValueError(
-            f"{where} must contain exactly three values (a, b, c) that are floats, got {value!r}."
+            f"{where} must contain exactly three values (a, b, c) that are floats, got "
+            f"{value!r}.{hint}"
         )
     a, b, c = (float(v) for v in value)
     if not all(math.isfinite(v) for v in (a, b, c)):
@@ -118,28 +126,100 @@ def _check_ns_steps(ns_steps: object) -> int:
     return ns_steps
 
 
-def custom_coefficients(spec: object, ns_steps: int) -> tuple[Coefficients, ...]:
-    """One triple per iteration, given by the caller: the first ``ns_steps`` of ``spec``.
+def _is_sequence(value: object) -> TypeGuard[Sequence[object]]:
+    return isinstance(value, Sequence) and not isinstance(value, str)
 
-    HyperParallel's ``ns_variant="custom"``: ``spec`` is a non-empty
-    sequence of at least ``ns_steps`` triples of finite floats.
+
+def _is_pair(value: object) -> TypeGuard[Sequence[object]]:
+    """Whether ``value`` is shaped as a schedule entry: a sequence, then one item that is not."""
+    return (
+        _is_sequence(value)
+        and len(value) == 2
+        and _is_sequence(value[0])
+        and not _is_sequence(value[1])
+    )
+
+
+def is_schedule(spec: object) -> bool:
+    """Whether ``spec`` is written as ``((a, b, c), repeat)`` pairs (any of its entries a pair)."""
+    return _is_sequence(spec) and any(_is_pair(entry) for entry in spec)
+
+
+def _repeat_of(entry: Sequence[object], index: int, triple: Coefficients) -> int:
+    repeat = entry[1]
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise HyperParallelValueError(
+            f"ns_coefficients[{index}][1], the number of iterations of {triple}, must be an int "
+            f">= 1, got {repeat!r}."
+        )
+    return repeat
+
+
+def expand_schedule(spec: Sequence[object], ns_steps: int) -> tuple[Coefficients, ...]:
+    """The triple of each iteration of a schedule of ``((a, b, c), repeat)`` pairs.
+
+    Each triple is used for ``repeat`` iterations in turn; the repeats must
+    add up to ``ns_steps``. ``[((3.4445, -4.7750, 2.0315), 8), ((2, -1.5,
+    0.5), 2)]`` with ``ns_steps=10`` is the first triple eight times, then
+    the second twice: the same as writing the ten triples out.
 
     Raises:
-        ValueError: an empty or short sequence, or a malformed or non-finite
-            triple (named by its index).
+        ValueError: an entry that is not such a pair, a malformed or
+            non-finite triple, a repeat that is not an int >= 1 (each named
+            by its index), or repeats that do not add up to ``ns_steps``.
     """
     _check_ns_steps(ns_steps)
+    runs: list[tuple[Coefficients, int]] = []
+    for index, entry in enumerate(spec):
+        if not _is_pair(entry):
+            raise HyperParallelValueError(
+                f"ns_coefficients[{index}] must be a {_SCHEDULE_FORM} pair, as the schedule's "
+                f"other entries are, got {entry!r}; a triple used once is ((a, b, c), 1)."
+            )
+        triple = _as_triple(entry[0], f"ns_coefficients[{index}][0]")
+        runs.append((triple, _repeat_of(entry, index, triple)))
+    total = sum(repeat for _, repeat in runs)
+    if total != ns_steps:
+        counts = " + ".join(str(repeat) for _, repeat in runs)
+        raise HyperParallelValueError(
+            f"The ns_coefficients schedule runs {counts} = {total} iterations, but "
+            f"ns_steps={ns_steps}; make the repeats add up to ns_steps, or set ns_steps={total}."
+        )
+    return tuple(triple for triple, repeat in runs for _ in range(repeat))
+
+
+def custom_coefficients(spec: object, ns_steps: int) -> tuple[Coefficients, ...]:
+    """The triple of each iteration, given by the caller: one per iteration, or a schedule.
+
+    HyperParallel's ``ns_variant="custom"``: ``spec`` is a non-empty
+    sequence of at least ``ns_steps`` triples of finite floats, of which the
+    first ``ns_steps`` are used; or a schedule of ``((a, b, c), repeat)``
+    pairs whose repeats add up to ``ns_steps`` (:func:`expand_schedule`).
+
+    Raises:
+        ValueError: an empty or short sequence, a malformed or non-finite
+            triple (named by its index), or a bad schedule.
+    """
+    _check_ns_steps(ns_steps)
+    if _is_pair(spec):
+        raise HyperParallelValueError(
+            f"ns_coefficients={spec!r} is one {_SCHEDULE_FORM} pair; a schedule is a list of "
+            f"them: write [{spec!r}]."
+        )
     if isinstance(spec, str) or not isinstance(spec, Sequence) or not spec:
         raise HyperParallelValueError(
             "ns_coefficients must be provided as a non-empty sequence of (a, b, c) triples, one "
-            f"per iteration, got {spec!r}."
+            f"per iteration, or of {_SCHEDULE_FORM} pairs, got {spec!r}."
         )
-    if ns_steps > len(spec):
+    if is_schedule(spec):
+        return expand_schedule(spec, ns_steps)
+    hint = f" (Or write a schedule: {_SCHEDULE_FORM} pairs.)"
+    triples = tuple(_as_triple(t, f"ns_coefficients[{i}]", hint) for i, t in enumerate(spec))
+    if ns_steps > len(triples):
         raise HyperParallelValueError(
-            f"ns_steps={ns_steps} exceeds the {len(spec)} provided coefficient groups; give one "
-            f"(a, b, c) per iteration, or lower ns_steps to {len(spec)}."
+            f"ns_steps={ns_steps} exceeds the {len(triples)} provided coefficient groups; give "
+            f"one (a, b, c) per iteration, or lower ns_steps to {len(triples)}."
         )
-    triples = tuple(_as_triple(t, f"ns_coefficients[{i}]") for i, t in enumerate(spec))
     return triples[:ns_steps]
 
 
@@ -151,9 +231,10 @@ def resolve_coefficients(spec: CoefficientSpec, ns_steps: int) -> tuple[Coeffici
             as ``_``), whose last triple repeats when it is shorter than
             ``ns_steps`` (a set in :data:`FIXED_LENGTH_SETS` does not: more
             steps than it has are an error); one triple, used at every
-            iteration (``torch.optim.Muon``'s form); or a sequence of at
+            iteration (``torch.optim.Muon``'s form); a sequence of at
             least ``ns_steps`` triples, of which the first ``ns_steps`` are
-            used (:func:`custom_coefficients`).
+            used; or a schedule of ``((a, b, c), repeat)`` pairs whose
+            repeats add up to ``ns_steps`` (:func:`custom_coefficients`).
         ns_steps: Number of iterations, ``1 <= ns_steps <= 99``.
 
     Raises:
