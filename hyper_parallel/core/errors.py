@@ -17,6 +17,7 @@ __all__ = [
     "HyperParallelImportError",
     "HyperParallelKeyError",
     "HyperParallelRuntimeError",
+    "HyperParallelStateDictError",
     "HyperParallelTypeError",
     "HyperParallelValueError",
     "PluginError",
@@ -48,6 +49,15 @@ class HyperParallelConfigError(HyperParallelValueError, HyperParallelTypeError):
 
 class HyperParallelRuntimeError(HyperParallelError, RuntimeError):
     """An operation cannot go ahead in the current state (non-finite norms, a device mismatch)."""
+
+
+class HyperParallelStateDictError(HyperParallelValueError, HyperParallelRuntimeError):
+    """A saved state dict does not fit the object loading it: both a ``ValueError`` and a ``RuntimeError``.
+
+    HyperParallel raises ``RuntimeError`` where a state dict names other
+    parts than the object has (``LRSchedulersContainer.load_state_dict``);
+    code written for it, or for this library's ``ValueError``, catches this.
+    """
 
 
 class HyperParallelKeyError(HyperParallelError, KeyError):

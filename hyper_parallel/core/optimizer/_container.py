@@ -9,7 +9,11 @@ from typing import Any, Protocol
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
+from hyper_parallel.core.errors import (
+    HyperParallelStateDictError,
+    HyperParallelTypeError,
+    HyperParallelValueError,
+)
 from hyper_parallel.core.optimizer._scheduler import set_lr
 
 __all__ = ["LRSchedulersContainer", "SchedulerFactory"]
@@ -103,10 +107,12 @@ class LRSchedulersContainer(LRScheduler):
         """Load each scheduler's state by name; the groups' lrs move to the saved position.
 
         Raises:
-            ValueError: the names differ from this container's.
+            HyperParallelStateDictError: the names differ from this
+                container's; a ``RuntimeError`` (as HyperParallel raises)
+                and a ``ValueError``.
         """
         if set(state_dict) != set(self._by_name):
-            raise HyperParallelValueError(
+            raise HyperParallelStateDictError(
                 f"The saved schedulers are {sorted(state_dict)}; this container has "
                 f"{sorted(self._by_name)}. Build it for the same sub-optimizers."
             )
