@@ -17,6 +17,7 @@ from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValu
 __all__ = [
     "FAMILY_KEYS",
     "FAMILY_ORDER",
+    "accepted_group_keys",
     "accepted_keywords",
     "check_group_keys",
     "check_keywords",
@@ -75,6 +76,22 @@ def accepted_keywords(fn: Callable[..., Any], *, skip: int = 0) -> set[str] | No
             continue
         names.add(p.name)
     return names
+
+
+def accepted_group_keys(optimizer: Callable[..., Any]) -> set[str] | None:
+    """Keys a param group of ``optimizer`` may set, or ``None`` when it takes ``**kwargs``.
+
+    Its keyword options (:func:`accepted_keywords` after ``params``), plus the
+    keys of its class attribute ``fixed_group_keys``: keys the optimizer puts
+    in every group that no option sets (torch's ``AdamW`` puts
+    ``decoupled_weight_decay`` there), so that a group copied from its
+    ``param_groups`` (``[dict(g) for g in opt.param_groups]``) can be given
+    back. The optimizer checks their values itself.
+    """
+    accepted = accepted_keywords(optimizer, skip=1)
+    if accepted is None:
+        return None
+    return accepted | set(getattr(optimizer, "fixed_group_keys", ()))
 
 
 def check_keywords(given: Mapping[str, Any], accepted: Iterable[str] | None, *, where: str) -> None:

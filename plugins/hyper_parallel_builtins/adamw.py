@@ -7,13 +7,14 @@ and ``foreach`` otherwise. Explicit ``fused=``/``foreach=`` win.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
 
 import torch
 
 from hyper_parallel import hookimpl
 from hyper_parallel.core.compat import fused_kernel_devices
+from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.options import check_group_keys
 from hyper_parallel.core.plugin import RegisterFn
 
@@ -38,7 +39,14 @@ class AdamW(torch.optim.AdamW):
     is on a device and dtype torch's fused AdamW supports (CPU and CUDA
     included), otherwise ``foreach=True``. ``differentiable=True`` or a
     ``capturable`` setup keeps torch's own default.
+
+    A group copied from an AdamW's ``param_groups`` may be given back as it
+    is: its ``decoupled_weight_decay`` (which torch puts in every group) is
+    accepted with AdamW's value, ``True``.
     """
+
+    #: Keys torch puts in every group that no argument sets, with the only value each may have.
+    fixed_group_keys: ClassVar[Mapping[str, Any]] = {"decoupled_weight_decay": True}
 
     def __init__(
         self,
@@ -82,8 +90,21 @@ class AdamW(torch.optim.AdamW):
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group; an unknown key (a typo such as ``lrr``) is a ``ValueError``."""
-        check_group_keys(param_group, self.defaults, where="optimizer AdamW")
+        """Add a param group; an unknown key (a typo such as ``lrr``) is a ``ValueError``.
+
+        So is ``decoupled_weight_decay=False``: that group would be Adam with
+        L2 regularization (use the ``adam`` optimizer for it), not AdamW.
+        """
+        check_group_keys(
+            param_group, {*self.defaults, *self.fixed_group_keys}, where="optimizer AdamW"
+        )
+        for key, value in self.fixed_group_keys.items():
+            if key in param_group and param_group[key] != value:
+                raise HyperParallelValueError(
+                    f"A param group of optimizer AdamW sets {key}={param_group[key]!r}; AdamW's "
+                    f"is always {value!r}. Drop the key, or use the 'adam' optimizer "
+                    "(torch.optim.Adam) for weight decay added to the gradient."
+                )
         super().add_param_group(param_group)
 
 

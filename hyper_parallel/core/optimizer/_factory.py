@@ -26,6 +26,7 @@ from hyper_parallel.core.optimizer._request import (
 )
 from hyper_parallel.core.optimizer._swap import SwapOptimizer, SwapOptimizerConfig
 from hyper_parallel.core.options import (
+    accepted_group_keys,
     accepted_keywords,
     check_group_keys,
     check_keywords,
@@ -326,12 +327,12 @@ class _ChainBuilder:
     def _check_options(self) -> None:
         """Every option and group key of every optimizer is one it accepts."""
         for spec in self.specs.values():
-            accepted = accepted_keywords(spec.entry.obj, skip=1)
             where = f"optimizer {spec.name!r}"
-            check_keywords(spec.kwargs, accepted, where=where)
-            if accepted is not None:
+            check_keywords(spec.kwargs, accepted_keywords(spec.entry.obj, skip=1), where=where)
+            group_keys = accepted_group_keys(spec.entry.obj)
+            if group_keys is not None:
                 for group in spec.groups:
-                    check_group_keys(group, accepted, where=where)
+                    check_group_keys(group, group_keys, where=where)
             if "params" in spec.kwargs:
                 raise HyperParallelTypeError(
                     f"Give the params of optimizer {spec.name!r} via its params list, not as a "
