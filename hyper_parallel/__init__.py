@@ -25,10 +25,12 @@ from hyper_parallel.core.optimizer import (
     HyperLRScheduler,
     LRSchedulersContainer,
     MainParams,
+    detect_dtensor_backend,
     get_hyper_lr_scheduler,
     get_hyper_optimizer,
     grads_are_finite,
     step_if_finite,
+    swap_optimizer,
 )
 from hyper_parallel.core.plugin import PluginKind, get_registry
 from hyper_parallel.core.plugin._markers import hookimpl
@@ -71,6 +73,7 @@ __all__ = [
     "UnknownPluginError",
     "__version__",
     "clip_grad_norm_",
+    "detect_dtensor_backend",
     "fully_shard",
     "get_hyper_lr_scheduler",
     "get_hyper_optimizer",
@@ -82,6 +85,7 @@ __all__ = [
     "register_plugin",
     "set_gradient_scaling_factor",
     "step_if_finite",
+    "swap_optimizer",
     "unregister_plugin",
 ]
 

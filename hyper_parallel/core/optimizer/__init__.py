@@ -11,7 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from hyper_parallel.core.optimizer._chained import ChainedOptimizer
 from hyper_parallel.core.optimizer._container import LRSchedulersContainer
-from hyper_parallel.core.optimizer._factory import get_hyper_optimizer
+from hyper_parallel.core.optimizer._factory import (
+    detect_dtensor_backend,
+    get_hyper_optimizer,
+    swap_optimizer,
+)
 from hyper_parallel.core.optimizer._main_params import MainParams
 from hyper_parallel.core.optimizer._matrix import (
     MatrixOptimizer,
@@ -36,11 +40,13 @@ __all__ = [
     "Sinkhorn",
     "SwapOptimizer",
     "SwapOptimizerConfig",
+    "detect_dtensor_backend",
     "get_hyper_lr_scheduler",
     "get_hyper_optimizer",
     "grads_are_finite",
     "momentum_updates",
     "step_if_finite",
+    "swap_optimizer",
 ]
 # A matrix optimizer's momentum on local shards (Muon's and Sinkhorn's, and a plugin's).
 __all__ += ["apply_momentum", "by_device_and_dtype", "lerp_momentum_", "new_or_into"]

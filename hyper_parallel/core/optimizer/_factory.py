@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from hyper_parallel.core.distributed._backend import SHARDING_ENV, resolve_backend
 from hyper_parallel.core.distributed._presharding import follow_sharding
 from hyper_parallel.core.errors import (
     HyperParallelTypeError,
@@ -38,7 +40,7 @@ from hyper_parallel.core.plugin import (
     get_registry,
 )
 
-__all__ = ["get_hyper_optimizer"]
+__all__ = ["detect_dtensor_backend", "get_hyper_optimizer", "swap_optimizer"]
 
 #: Where params with fewer than two dims go when a matrix-only optimizer (Muon) is given them.
 FALLBACK_OPTIMIZER = "adamw"
@@ -107,7 +109,10 @@ def get_hyper_optimizer(
 
     * the guide's form: ``muon_params=[...]``, ``adamw_params=[...]`` with
       ``muon_kwargs`` / ``adamw_kwargs`` (and HyperParallel's
-      ``sinkhorn_params`` / ``sinkhorn_kwargs``); chained adamw, muon, sinkhorn;
+      ``sinkhorn_params`` / ``sinkhorn_kwargs``); chained adamw, muon, sinkhorn.
+      A key of ``<name>_kwargs`` may carry that optimizer's prefix, as
+      HyperParallel writes it: ``muon_kwargs={"muon_lr": 0.02}`` is
+      ``{"lr": 0.02}``;
     * any registered optimizers by name:
       ``optimizers={"muon": {"params": [...], "lr": 0.02}, "lion": {...}}``;
     * a partitioner when no params are given: ``partitioner="by_shape"``
@@ -423,3 +428,59 @@ def _first_names(model: nn.Module) -> dict[int, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
+
+
+def swap_optimizer(
+    optimizer: Optimizer, config: SwapOptimizerConfig | Mapping[str, Any] | None = None
+) -> SwapOptimizer:
+    """Wrap ``optimizer`` so that its state lives in host memory or on disk between steps.
+
+    HyperParallel's function form of :class:`SwapOptimizer`, with its
+    arguments: ``swap_optimizer(optimizer, config)`` is
+    ``SwapOptimizer(optimizer, config)``.
+
+    Args:
+        optimizer: Any optimizer of this library (a ``ChainedOptimizer``
+            included) or a torch optimizer whose state is tensors.
+        config: A :class:`SwapOptimizerConfig`, a dict of its fields, or
+            ``None`` for its defaults.
+
+    Returns:
+        The :class:`SwapOptimizer` wrapping ``optimizer``.
+
+    Raises:
+        TypeError, ValueError: as :class:`SwapOptimizer` documents.
+    """
+    return SwapOptimizer(optimizer, config)
+
+
+def detect_dtensor_backend(adamw_params: Iterable[Any], muon_params: Iterable[Any]) -> str:
+    """The name of the sharding backend that the params are laid out for.
+
+    HyperParallel's helper, with its arguments: two lists of params or
+    param-group dicts, either of which may be empty. As there, the first
+    param of ``muon_params`` decides, else the first of ``adamw_params``.
+    The answer is a registered sharding backend's name: ``"local"`` for a
+    plain tensor, ``"fsdp"`` for a DTensor of ``fully_shard``, a plugin's
+    backend for its layout. (HyperParallel answers ``"torch"`` or
+    ``"hyper"``, which of its two DTensor classes the params are; here
+    every DTensor is torch's.) Nothing is set by it: each optimizer resolves
+    the backend of its own groups.
+
+    With ``$HYPER_PARALLEL_SHARDING`` set, that backend is returned once it
+    is checked against the param; with no params at all, it, else
+    ``"local"``.
+
+    Raises:
+        ValueError: the backend ``$HYPER_PARALLEL_SHARDING`` names does not
+            match the param, or no backend accepts it.
+        UnknownPluginError: ``$HYPER_PARALLEL_SHARDING`` names no backend.
+    """
+    named = os.environ.get(SHARDING_ENV) or None
+    for where, params in (("muon_params", muon_params), ("adamw_params", adamw_params)):
+        for group in as_groups(params, where):
+            if group["params"]:
+                return resolve_backend(named, group["params"][:1], origin=SHARDING_ENV).name
+    if named is None:
+        return "local"
+    return get_registry().get(PluginKind.SHARDING_BACKEND, named).name

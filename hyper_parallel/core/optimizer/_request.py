@@ -31,6 +31,7 @@ __all__ = [
     "Request",
     "as_groups",
     "parse_request",
+    "unprefixed",
 ]
 
 
@@ -121,7 +122,7 @@ def parse_request(given: Mapping[str, Any], prefixed: Mapping[str, Any]) -> Requ
     for name in FAMILY_ORDER:
         params, kwargs = given.get(f"{name}_params"), given.get(f"{name}_kwargs")
         if params is not None or kwargs is not None:
-            requested.add(name, params, kwargs, f"{name}_params")
+            requested.add(name, params, unprefixed(name, kwargs), f"{name}_params")
     for name, config in (given.get("optimizers") or {}).items():
         if not isinstance(config, Mapping):
             raise HyperParallelTypeError(
@@ -180,6 +181,40 @@ def _partitioner(
     if any_given:
         return None, {}
     return partitioner or DEFAULT_PARTITIONER, dict(options or {})
+
+
+def unprefixed(name: str, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``<name>_kwargs`` with HyperParallel's ``<name>_`` prefix dropped from its keys.
+
+    ``muon_kwargs={"muon_lr": 0.02, "nesterov": True}`` is ``{"lr": 0.02,
+    "nesterov": True}``, as HyperParallel reads it (its docstring example, its
+    Trainer builders and its end-to-end test write the prefix). Only the
+    optimizer's own prefix is dropped: ``"adamw_lr"`` in ``muon_kwargs`` stays,
+    and is reported as an unknown option of Muon.
+
+    Raises:
+        HyperParallelTypeError: ``kwargs`` is not a dict.
+        HyperParallelValueError: one option given both with and without the prefix.
+    """
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise HyperParallelTypeError(
+            f"{name}_kwargs must be a dict of {name}'s options, got {type(kwargs).__name__}."
+        )
+    prefix = f"{name}_"
+    options: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        option = key
+        if isinstance(key, str) and key.startswith(prefix) and len(key) > len(prefix):
+            option = key[len(prefix) :]
+        if option in options:
+            raise HyperParallelValueError(
+                f"{name}_kwargs sets option {option!r} twice, as {option!r} and "
+                f"{prefix + option!r}; keep one of them."
+            )
+        options[option] = value
+    return options
 
 
 def _split_prefixed(prefixed: Mapping[str, Any], names: Iterable[str]) -> dict[str, dict[str, Any]]:
