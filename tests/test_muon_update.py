@@ -11,6 +11,7 @@ and plain, row blocks for head-wise params, no team for a custom
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -134,3 +135,11 @@ def test_the_record_is_kept_until_an_option_or_the_params_change() -> None:
     group["params"].append(params[2])
     assert muon.decided(group) is not second
     assert id(params[2]) in muon.decided(group).needs
+
+
+def test_a_copy_keeps_the_replica_grouping_of_its_backends() -> None:
+    params, _ = _params_and_grads()
+    muon = Muon(params[:2], hsdp_replica_count=2)
+    for twin in (copy.deepcopy(muon), pickle.loads(pickle.dumps(muon))):
+        assert twin.hsdp_replica_count == 2
+        assert twin._backends.replica_group_size == 2

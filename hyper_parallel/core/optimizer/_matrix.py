@@ -85,6 +85,11 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
             self.param_groups.pop()
             raise
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's keeps defaults, state and groups; the backends' replica grouping goes too
+        # (a copy resolves its own backends, grouped the same way)
+        return {**super().__getstate__(), "_backends": self._backends}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
