@@ -20,12 +20,21 @@ left out, or ``None``, is off. The rules are HyperParallel's:
   give some of a family's own params options of their own; an entry that
   selects none of them is an error.
 
+A selector (a ``param_patterns`` entry) is a regular expression, searched
+(``re.search``) in each of a param's names, as in HyperParallel; or a glob,
+matched against a whole name (``fnmatch`` rules, case-sensitive: ``*`` any
+run of characters dots included, ``?`` one, ``[seq]``, ``[!seq]``), as
+MindFormers' ``adamw_include`` is written. A glob is a pattern that starts
+with ``*`` or ``?`` (no regular expression can, so no regular expression
+changes meaning), or one written ``glob:<pattern>``.
+
 Stricter than HyperParallel, deliberately: a ``param_patterns`` entry that
 matches no param of the model is an error, not a silent no-op.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -50,13 +59,36 @@ _TOKEN_FAMILY = "sinkhorn"
 _FALLBACK_FAMILY = "adamw"
 _GROUP_EXAMPLE = "[{'param_patterns': ['embed_tokens'], 'lr': 0.01}]"
 
+#: The prefix that makes any pattern a glob (one starting with ``*`` or ``?`` is one anyway).
+GLOB_PREFIX = "glob:"
+_GLOB_STARTS = ("*", "?")
+
+
+@dataclass(frozen=True)
+class _Pattern:
+    """One selector as written, and how it matches a param name."""
+
+    text: str
+    glob: bool
+    regex: re.Pattern[str]
+
+    def matches(self, name: str) -> bool:
+        """A glob matches the whole name; a regular expression is searched in it."""
+        found = self.regex.match(name) if self.glob else self.regex.search(name)
+        return found is not None
+
+    @property
+    def kind(self) -> str:
+        """``"glob"`` or ``"regular expression"``, for messages."""
+        return "glob" if self.glob else "regular expression"
+
 
 @dataclass
 class _Selector:
-    """Compiled regular expressions, with how many params each matched (frozen ones too)."""
+    """Compiled patterns, with how many params each matched (frozen ones too)."""
 
     where: str
-    patterns: list[re.Pattern[str]]
+    patterns: list[_Pattern]
     hits: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -66,7 +98,7 @@ class _Selector:
         """Whether any pattern matches one of ``p``'s names; each that does counts a hit."""
         matched = False
         for k, pattern in enumerate(self.patterns):
-            if any(pattern.search(name) for name in p.names):
+            if any(pattern.matches(name) for name in p.names):
                 self.hits[k] += 1
                 matched = True
         return matched
@@ -81,26 +113,40 @@ class _Family:
     members: list[NamedParam] = field(default_factory=list)
 
 
-def _compile(patterns: Any, where: str) -> list[re.Pattern[str]]:
-    """A regular expression or a list of them (HyperParallel takes one str as a list of one)."""
+def _compile_one(text: str, where: str) -> _Pattern:
+    """A glob (``glob:...``, or starting with ``*`` / ``?``), else a regular expression."""
+    body = text.removeprefix(GLOB_PREFIX)
+    if body != text or text.startswith(_GLOB_STARTS):
+        if not body:
+            raise HyperParallelTypeError(
+                f"{where} entry {text!r} is an empty glob; write {GLOB_PREFIX}<pattern>, "
+                "e.g. 'glob:model.layers.*.mlp.*'."
+            )
+        return _Pattern(text, True, re.compile(fnmatch.translate(body)))
+    try:
+        return _Pattern(text, False, re.compile(text))
+    except re.error as exc:
+        raise HyperParallelValueError(
+            f"{where} entry {text!r} is not a valid regular expression: {exc}; for a glob, "
+            f"write {GLOB_PREFIX}{text}."
+        ) from exc
+
+
+def _compile(patterns: Any, where: str) -> list[_Pattern]:
+    """A pattern or a list of them (HyperParallel takes one str as a list of one)."""
     if isinstance(patterns, str):
         patterns = [patterns]
     if not isinstance(patterns, Sequence):
         raise HyperParallelTypeError(
-            f"{where} must be a list of regular expressions, got {patterns!r}."
+            f"{where} must be a list of regular expressions or globs, got {patterns!r}."
         )
     compiled = []
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
             raise HyperParallelTypeError(
-                f"{where} must hold non-empty str regular expressions, got {pattern!r}."
+                f"{where} must hold non-empty str regular expressions or globs, got {pattern!r}."
             )
-        try:
-            compiled.append(re.compile(pattern))
-        except re.error as exc:
-            raise HyperParallelValueError(
-                f"{where} entry {pattern!r} is not a valid regular expression: {exc}."
-            ) from exc
+        compiled.append(_compile_one(pattern, where))
     return compiled
 
 
@@ -125,7 +171,7 @@ def _param_groups(name: str, raw: Any) -> list[tuple[_Selector, dict[str, Any]]]
             raise HyperParallelConfigError(
                 f"Configured param_groups require param_patterns and cannot contain runtime "
                 f"params: {where} has the keys {sorted(entry)}; select its params with "
-                f"'param_patterns' (regular expressions), e.g. {_GROUP_EXAMPLE}."
+                f"'param_patterns' (regular expressions or globs), e.g. {_GROUP_EXAMPLE}."
             )
         groups.append((_Selector(f"{where}['param_patterns']", _compile(patterns, where)), options))
     return groups
@@ -178,15 +224,28 @@ def _route(p: NamedParam, heads: set[int], enabled: Mapping[str, _Family]) -> st
     return _FALLBACK_FAMILY
 
 
+def _how_it_matches(pattern: _Pattern) -> str:
+    """How ``pattern`` is read, and the other reading, for an error about it."""
+    if pattern.glob:
+        return (
+            "a glob is matched against whole param names such as "
+            "'model.layers.0.self_attn.q_proj.weight'"
+        )
+    return (
+        "a regular expression is searched in full param names such as "
+        "'model.layers.0.self_attn.q_proj.weight'; a pattern is a glob when it starts with "
+        f"'*' or '?' or is written '{GLOB_PREFIX}...'"
+    )
+
+
 def _check_patterns_matched(families: Sequence[_Family]) -> None:
     for family in families:
         selector = family.selector
         for pattern, hits in zip(selector.patterns, selector.hits, strict=True):
             if not hits:
                 raise HyperParallelValueError(
-                    f"{selector.where} entry {pattern.pattern!r} matches no param of the model; "
-                    "fix the regular expression (it is searched in full param names such as "
-                    "'model.layers.0.self_attn.q_proj.weight') or remove it."
+                    f"{selector.where} entry {pattern.text!r} matches no param of the model; "
+                    f"fix the {pattern.kind} ({_how_it_matches(pattern)}) or remove it."
                 )
 
 
@@ -233,7 +292,7 @@ def _groups(
                 f" it selects params of {', '.join(others)}; param_groups refine a family's own "
                 f"params: move the entry there, or route the params with param_patterns."
                 if others
-                else " fix its regular expressions."
+                else f" fix its patterns ({_how_it_matches(selector.patterns[0])})."
             )
             raise HyperParallelValueError(
                 f"Configured param_groups match no parameters in their optimizer family: "
@@ -250,9 +309,11 @@ def by_family(
     Args:
         model: The model to partition.
         families: The enabled families, by optimizer name, each with its
-            routing keys: ``param_patterns`` (a regular expression or a list
-            of them, searched in every name of a param; a match sends the
-            param to this family whatever its role) and ``param_groups``
+            routing keys: ``param_patterns`` (a pattern or a list of them: a
+            regular expression, searched in every name of a param, or a glob,
+            ``*...`` / ``?...`` / ``glob:...``, matched against a whole name;
+            a match sends the param to this family whatever its role) and
+            ``param_groups``
             (``[{"param_patterns": [...], <group options>}, ...]``: some of
             this family's own params in groups of their own). A family that
             is missing or ``None`` is off; left out altogether, the families
