@@ -39,7 +39,11 @@ from hyper_parallel.core.plugin._registry import register_plugin, unregister_plu
 if TYPE_CHECKING:
     # Their real classes for type checkers; at run time they come from the registry.
     from hyper_parallel.core.distributed._clip_grad import clip_grad_norm_
-    from hyper_parallel.core.distributed._fsdp import fully_shard, set_gradient_scaling_factor
+    from hyper_parallel.core.distributed._fsdp import (
+        MixedPrecisionPolicy,
+        fully_shard,
+        set_gradient_scaling_factor,
+    )
     from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh
     from hyper_parallel_builtins.adamw import AdamW
     from hyper_parallel_builtins.muon import Muon
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
 _LAZY: dict[str, str] = {
     "clip_grad_norm_": "hyper_parallel.core.distributed._clip_grad",
     "fully_shard": "hyper_parallel.core.distributed._fsdp",
+    "MixedPrecisionPolicy": "hyper_parallel.core.distributed._fsdp",
     "set_gradient_scaling_factor": "hyper_parallel.core.distributed._fsdp",
     "hsdp_mesh": "hyper_parallel.core.distributed._mesh",
     "init_device_mesh": "hyper_parallel.core.distributed._mesh",
@@ -65,6 +70,7 @@ __all__ = [
     "HyperParallelError",
     "LRSchedulersContainer",
     "MainParams",
+    "MixedPrecisionPolicy",
     "Muon",
     "PluginError",
     "PluginKind",

@@ -8,7 +8,11 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["grad_tensors"]
+__all__ = ["MAIN_GRAD_ATTR", "grad_tensors"]
+
+#: The attribute of a param that holds its fp32 gradient, where training keeps one
+#: (``fully_shard`` with ``apply_grad_on_fp32_main_grad``, Megatron-style loops).
+MAIN_GRAD_ATTR = "main_grad"
 
 
 def grad_tensors(optimizer: Optimizer) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ import functools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,6 +64,39 @@ def strided_shard_type() -> Any:
 def fsdp_param_groups(unit: Any) -> list[Any]:
     """The FSDP2 param groups of an ``FSDPModule`` (whose all-reduce hook slot we share)."""
     return list(unit._get_fsdp_state()._fsdp_param_groups)
+
+
+@dataclass(frozen=True)
+class ReducedGradSlot:
+    """Where FSDP2 writes one param's reduced gradient shard in its unit's flat reduce output.
+
+    FSDP2 reduces the gradients of a unit's params (those that have one) in
+    one flat buffer, in the order of the unit's params; each param's local
+    shard starts where the previous param's padded shard ends.
+    """
+
+    #: The sharded param (a DTensor) on the module now.
+    param: torch.Tensor
+    #: The shape of this rank's shard of it.
+    size: torch.Size
+    #: Contiguous strides for ``size``.
+    stride: tuple[int, ...]
+    #: How many elements of the flat buffer the param takes: its padded shard.
+    span: int
+
+
+def fsdp_reduced_grad_slots(unit: Any) -> list[ReducedGradSlot]:
+    """The :class:`ReducedGradSlot` of every param of an ``FSDPModule``, in FSDP's order."""
+    return [
+        ReducedGradSlot(
+            param=fsdp_param.sharded_param,
+            size=fsdp_param.sharded_size,
+            stride=tuple(fsdp_param.contiguous_sharded_stride),
+            span=fsdp_param.padded_sharded_param_size.numel(),
+        )
+        for group in fsdp_param_groups(unit)
+        for fsdp_param in group.fsdp_params
+    ]
 
 
 def device_has_foreach_support(device: torch.device) -> bool:

@@ -10,29 +10,56 @@ the gradient is written into the sharded parameter. FSDP's own
 ``ReduceOp.PREMUL_SUM``, which gloo rejects, and its ``SUM``-only variant
 (``set_force_sum_reduction_for_comms``) divides twice when a unit's shard
 group has one rank.
+
+``MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True)`` (HyperParallel's
+flag) rides on the same hook: it keeps a reference to the reduced gradients
+in the reduce dtype, before FSDP casts them to the param's dtype, and a
+post-accumulate-grad hook on each sharded param then adds its slice, in
+fp32, into the param's ``main_grad`` and releases the low-precision
+``.grad`` FSDP wrote.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 import types
 from collections.abc import Callable, Sequence
-from typing import Literal, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from hyper_parallel.core.compat import fsdp_param_groups
+from hyper_parallel.core._grads import MAIN_GRAD_ATTR
+from hyper_parallel.core.compat import (
+    ReducedGradSlot,
+    fsdp_param_groups,
+    fsdp_reduced_grad_slots,
+)
 from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh
 from hyper_parallel.core.distributed._presharding import remember_params_before_sharding
-from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
+from hyper_parallel.core.errors import (
+    HyperParallelRuntimeError,
+    HyperParallelTypeError,
+    HyperParallelValueError,
+)
 
-__all__ = ["BlockPredicate", "GradientScaling", "fully_shard", "set_gradient_scaling_factor"]
+__all__ = [
+    "BlockPredicate",
+    "GradientScaling",
+    "MixedPrecisionPolicy",
+    "fully_shard",
+    "set_gradient_scaling_factor",
+]
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -40,6 +67,40 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 BlockPredicate = Callable[[str, nn.Module], bool]
 
 _SCALING_ATTR = "_hyper_parallel_gradient_scaling"
+_WATCHED_ATTR = "_hyper_parallel_main_grad_hook"
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy(TorchMixedPrecisionPolicy):
+    """torch's FSDP2 ``MixedPrecisionPolicy``, plus HyperParallel's ``apply_grad_on_fp32_main_grad``.
+
+    The fields before it are torch's, in HyperParallel's order too, so
+    ``MixedPrecisionPolicy(torch.bfloat16, torch.float32)`` means the same
+    in both. It is a torch policy: :func:`fully_shard` (and torch's own)
+    takes it.
+
+    Attributes:
+        apply_grad_on_fp32_main_grad: Under :func:`fully_shard`, each reduced
+            gradient shard lands in the sharded param's ``main_grad``, an
+            fp32 DTensor sharded like the param, added to what it holds
+            (micro-batches accumulate in fp32), and the param's ``.grad``
+            stays ``None``. The value is FSDP's reduced gradient (in
+            ``reduce_dtype``) upcast, before FSDP would round it to the
+            param's dtype: give ``reduce_dtype=torch.float32`` for an fp32
+            reduction too. ``get_hyper_optimizer(..., fp32_main_params=True)``
+            steps with ``main_grad`` and clears it in ``zero_grad``; an
+            optimizer that steps ``.grad`` (torch's, or ours without main
+            params) is stopped with an error at its step.
+    """
+
+    apply_grad_on_fp32_main_grad: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.apply_grad_on_fp32_main_grad, bool):
+            raise HyperParallelTypeError(
+                "MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=...) takes True or False, got "
+                f"{self.apply_grad_on_fp32_main_grad!r}."
+            )
 
 
 class GradientScaling:
@@ -181,25 +242,141 @@ def set_gradient_scaling_factor(
         )
     value = None if requested is None else _check_factor(requested)
     if value is not None:
-        _install_hooks(module, scaling)
+        _install_hooks(module, scaling, main_grad=False)
     scaling.factor = value
 
 
-def _install_hooks(module: nn.Module, scaling: GradientScaling) -> None:
-    # Installed on first use only, so a model that never scales keeps FSDP's
-    # hook slot (and its stream waits) free; turning scaling off leaves a no-op.
+class _UnitHook:
+    """One FSDP unit's all-reduce hook: the model's scaling factor, then the main_grad capture."""
+
+    def __init__(self, unit: FSDPModule, scaling: GradientScaling, main_grad: bool) -> None:
+        self.unit = unit
+        self.scaling = scaling
+        self.main_grad = main_grad
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        """Scale the unit's reduced gradients in place; keep them for ``main_grad``."""
+        self.scaling(reduce_output)
+        if self.main_grad:
+            _capture(self.unit, reduce_output)
+
+
+def _install_hooks(module: nn.Module, scaling: GradientScaling, *, main_grad: bool) -> None:
+    """Give every FSDP unit of ``module`` its :class:`_UnitHook` (once)."""
+    # Installed on first use only, so a model that neither scales nor keeps main_grad keeps
+    # FSDP's hook slot (and its stream waits) free; turning scaling off leaves a no-op.
     for unit in module.modules():
         if not isinstance(unit, FSDPModule):
             continue
         groups = fsdp_param_groups(unit)
         current = [getattr(g, "_all_reduce_hook", None) for g in groups]
-        if any(hook is not None and hook is not scaling for hook in current):
+        ours = [isinstance(h, _UnitHook) and h.scaling is scaling for h in current]
+        if any(hook is not None and not mine for hook, mine in zip(current, ours, strict=True)):
             raise HyperParallelValueError(
                 f"FSDP unit {type(unit).__name__} already has an all-reduce hook "
-                "(set_all_reduce_hook); the gradient scaling factor needs that hook slot."
+                "(set_all_reduce_hook); the gradient scaling factor and main_grad need that slot."
             )
-        if groups and not all(hook is scaling for hook in current):
-            unit.set_all_reduce_hook(scaling)
+        if groups and not all(ours):
+            unit.set_all_reduce_hook(_UnitHook(unit, scaling, main_grad))
+
+
+# -- main_grad ----------------------------------------------------------------------
+
+
+class _Landing(threading.local):
+    """The reduced gradients FSDP is writing now (in this thread), and how far they are taken."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.offset = 0
+        self.slots: dict[int, ReducedGradSlot] = {}
+
+
+_LANDING = _Landing()
+
+
+def _capture(unit: FSDPModule, reduce_output: torch.Tensor) -> None:
+    """Keep ``unit``'s flat reduced gradients for its params' post-accumulate-grad hooks."""
+    slots = fsdp_reduced_grad_slots(unit)
+    for slot in slots:
+        # A param FSDP replaced since the last reduce (``model.to``, a load with assign=True)
+        # gets the hook now, before FSDP writes its gradient.
+        if slot.param.requires_grad and not getattr(slot.param, _WATCHED_ATTR, False):
+            slot.param.register_post_accumulate_grad_hook(_land_main_grad)
+            setattr(slot.param, _WATCHED_ATTR, True)
+    _LANDING.buffer, _LANDING.offset = reduce_output, 0
+    _LANDING.slots = {id(slot.param): slot for slot in slots}
+
+
+def _next_reduced_shard(param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s shard of the captured reduced gradients; FSDP writes them in slot order."""
+    buffer, slot = _LANDING.buffer, _LANDING.slots.get(id(param))
+    if buffer is None or slot is None:
+        grad = param.grad  # a gradient that did not come through FSDP's reduction
+        return grad.to_local() if isinstance(grad, DTensor) else grad
+    start, end = _LANDING.offset, _LANDING.offset + slot.span
+    if end > buffer.numel():
+        raise HyperParallelRuntimeError(
+            f"FSDP reduced {buffer.numel()} gradient elements, fewer than its params' shards "
+            f"take ({end}): this torch lays them out differently, and "
+            "apply_grad_on_fp32_main_grad cannot place them; turn it off."
+        )
+    _LANDING.offset = end
+    if end == buffer.numel():  # all taken: do not keep the buffer alive
+        _LANDING.buffer, _LANDING.slots = None, {}
+    return torch.as_strided(buffer, slot.size, slot.stride, start)
+
+
+@torch.no_grad()
+def _land_main_grad(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: add ``param``'s reduced shard to its fp32 ``main_grad``."""
+    shard = _next_reduced_shard(param)
+    if shard is None:
+        return
+    local = param.to_local() if isinstance(param, DTensor) else param
+    shard = shard.to(device=local.device, dtype=torch.float32)
+    main_grad = getattr(param, MAIN_GRAD_ATTR, None)
+    if main_grad is None:
+        if isinstance(param, DTensor):
+            main_grad = DTensor.from_local(
+                shard, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+            )
+        else:
+            main_grad = shard
+        setattr(param, MAIN_GRAD_ATTR, main_grad)
+    else:
+        (main_grad.to_local() if isinstance(main_grad, DTensor) else main_grad).add_(shard)
+    param.grad = None
+
+
+_STEP_GUARD: list[Any] = []
+
+
+def _guard_steps_that_read_grad() -> None:
+    """Stop an optimizer that steps ``.grad`` while the gradients are in ``main_grad`` (once)."""
+    if not _STEP_GUARD:
+        hook = register_optimizer_step_pre_hook(_refuse_grads_in_main_grad)
+        _STEP_GUARD.append(hook)
+
+
+def _refuse_grads_in_main_grad(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook: torch's optimizers and ours read ``.grad``, never ``main_grad``."""
+    del args, kwargs  # the step's own arguments: not needed
+    if getattr(optimizer, "main_params", None) is not None:
+        return  # a ChainedOptimizer with fp32 main params moves main_grad in itself
+    if not type(optimizer).__module__.startswith(("torch.optim", "hyper_parallel")):
+        return  # another optimizer may read main_grad itself, as Megatron's do
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None and getattr(param, MAIN_GRAD_ATTR, None) is not None:
+                name = getattr(param, "model_name", None) or f"a {tuple(param.shape)} param"
+                raise HyperParallelRuntimeError(
+                    f"{type(optimizer).__name__}.step(): {name}'s gradient is in its main_grad "
+                    "(fully_shard with MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True)) "
+                    "and its .grad is None, so this optimizer would not update it. Build the "
+                    "optimizer with get_hyper_optimizer(..., fp32_main_params=True), which steps "
+                    "with main_grad, or turn apply_grad_on_fp32_main_grad off."
+                )
 
 
 def _default_mesh(*, hsdp: bool) -> DeviceMesh:
@@ -220,7 +397,7 @@ def fully_shard(
     mesh: DeviceMesh | Literal["hsdp"] | None = None,
     blocks: Sequence[nn.Module] | BlockPredicate | None = None,
     reshard_after_forward: bool | int = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
+    mp_policy: TorchMixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
 ) -> ModuleT:
     """Shard ``module`` with torch FSDP2: each repeated block, then the root.
@@ -252,7 +429,9 @@ def fully_shard(
         reshard_after_forward: Passed to FSDP for the blocks. When ``True``
             the root keeps FSDP's root default (no reshard after forward, as
             backward needs its parameters at once).
-        mp_policy: FSDP's ``MixedPrecisionPolicy``; ``None`` keeps dtypes.
+        mp_policy: FSDP's ``MixedPrecisionPolicy``, or ours
+            (:class:`MixedPrecisionPolicy`), which adds HyperParallel's
+            ``apply_grad_on_fp32_main_grad``; ``None`` keeps dtypes.
         offload_policy: FSDP's ``OffloadPolicy``; ``None`` offloads nothing.
 
     Returns:
@@ -289,7 +468,7 @@ def fully_shard(
         raise HyperParallelTypeError(
             f"reshard_after_forward must be a bool or int, got {type(reshard_after_forward).__name__}."
         )
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+    if mp_policy is not None and not isinstance(mp_policy, TorchMixedPrecisionPolicy):
         raise HyperParallelTypeError(
             f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}."
         )
@@ -307,7 +486,7 @@ def fully_shard(
         )
     _check_devices(module, mesh)
 
-    mp = mp_policy or MixedPrecisionPolicy()
+    mp = mp_policy or TorchMixedPrecisionPolicy()
     offload = offload_policy or OffloadPolicy()
     # FSDP2 replaces every param with a sharded one; remember which old param became which
     # name, so param lists built before sharding (as the user guide does) still resolve.
@@ -326,4 +505,7 @@ def fully_shard(
     setattr(module, _SCALING_ATTR, scaling)
     bound = types.MethodType(set_gradient_scaling_factor, module)
     setattr(module, "set_gradient_scaling_factor", bound)  # noqa: B010
+    if isinstance(mp, MixedPrecisionPolicy) and mp.apply_grad_on_fp32_main_grad:
+        _install_hooks(module, scaling, main_grad=True)
+        _guard_steps_that_read_grad()
     return module

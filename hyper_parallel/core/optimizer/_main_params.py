@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyper_parallel.core._grads import MAIN_GRAD_ATTR
+
 __all__ = [
     "MAIN_DTYPE",
     "MAIN_GRAD_ATTR",
@@ -41,9 +43,6 @@ __all__ = [
 
 #: The dtype of every main copy.
 MAIN_DTYPE = torch.float32
-
-#: The attribute of a param that holds its fp32 gradient, where training keeps one.
-MAIN_GRAD_ATTR = "main_grad"
 
 
 def _gradient(param: torch.Tensor) -> torch.Tensor | None:
