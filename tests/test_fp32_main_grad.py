@@ -1,4 +1,4 @@
-"""``MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True)`` under ``fully_shard`` (issue 40, item 8).
+"""``MixedPrecisionPolicy(apply_grad_on_fp32_main_grad=True)`` under ``fully_shard``.
 
 HyperParallel's flag: each reduced gradient shard lands in the sharded param's fp32 ``main_grad``
 (added to it, so micro-batches accumulate in fp32) and ``.grad`` stays ``None``; fp32 main params
@@ -21,7 +21,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import DTensor
 
 from conftest import TinyLM, lm_loss
-from hyper_parallel import MixedPrecisionPolicy, fully_shard, get_hyper_optimizer
+from hyper_parallel import (
+    MixedPrecisionPolicy,
+    clip_grad_norm_,
+    fully_shard,
+    get_hyper_optimizer,
+    grads_are_finite,
+)
 from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelTypeError
 
 #: tests/test_main_params.py's tolerance for sharded main copies against one process.
@@ -97,6 +103,21 @@ def _check_landing(mesh: Any, rank: int, world_size: int) -> None:
     halves = [0.5 * g for g in _fp32_sums(one, [4], world_size)]
     for got, ref in zip(_main_grads(sharded), halves, strict=True):
         torch.testing.assert_close(got, ref, **TOLERANCE)
+    _check_clipping_and_checks_read_main_grad(sharded, halves)
+
+
+def _check_clipping_and_checks_read_main_grad(sharded: nn.Module, want: list[torch.Tensor]) -> None:
+    """clip_grad_norm_ and grads_are_finite read main_grad where .grad is None."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in want]))
+    total = clip_grad_norm_(list(sharded.parameters()), max_norm=float(norm) / 2)
+    torch.testing.assert_close(total.full_tensor() if isinstance(total, DTensor) else total, norm)
+    for got, ref in zip(_main_grads(sharded), want, strict=True):
+        torch.testing.assert_close(got, ref / 2, rtol=1e-5, atol=1e-6)
+    optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    assert grads_are_finite(optimizer)
+    first = next(iter(sharded.parameters()))
+    first.main_grad.to_local().view(-1)[0] = float("nan")  # type: ignore[attr-defined]
+    assert not grads_are_finite(optimizer)  # every rank joins: one verdict
 
 
 def _check_training(mesh: Any, rank: int, world_size: int) -> None:

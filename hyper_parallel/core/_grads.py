@@ -8,11 +8,17 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
-__all__ = ["MAIN_GRAD_ATTR", "grad_tensors"]
+__all__ = ["MAIN_GRAD_ATTR", "grad_of", "grad_tensors"]
 
 #: The attribute of a param that holds its fp32 gradient, where training keeps one
 #: (``fully_shard`` with ``apply_grad_on_fp32_main_grad``, Megatron-style loops).
 MAIN_GRAD_ATTR = "main_grad"
+
+
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s gradient: its fp32 ``main_grad`` where training keeps one, else ``.grad``."""
+    main: torch.Tensor | None = getattr(param, MAIN_GRAD_ATTR, None)
+    return main if main is not None else param.grad
 
 
 def grad_tensors(optimizer: Optimizer) -> list[torch.Tensor]:

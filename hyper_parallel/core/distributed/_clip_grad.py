@@ -52,7 +52,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate
 from torch.optim import Optimizer
 
-from hyper_parallel.core._grads import grad_tensors
+from hyper_parallel.core._grads import grad_of, grad_tensors
 
 # torch's own rule for where foreach kernels exist (the one its clip_grad_norm_ uses).
 from hyper_parallel.core.compat import device_has_foreach_support
@@ -147,8 +147,9 @@ def clip_grad_norm_(
     Args:
         parameters: A tensor, an iterable of tensors, or an optimizer (its
             ``param_groups``' params, e.g. a ``ChainedOptimizer``), whose
-            ``.grad`` (plain tensor or DTensor) is clipped; params without a
-            grad count as zero. With ``per_optimizer=True``: a
+            gradient (plain tensor or DTensor: the fp32 ``main_grad`` where a
+            param has one, else ``.grad``) is clipped; params without a grad
+            count as zero. With ``per_optimizer=True``: a
             ``ChainedOptimizer`` (any optimizer with a ``.optimizers`` mapping
             of name to optimizer) or a mapping of name to any of the above.
         max_norm: The largest total norm left unclipped; ``>= 0``.
@@ -331,7 +332,7 @@ def _bucket_grads(named: dict[str, list[Tensor]]) -> dict[tuple[int, ...], _Buck
     buckets: dict[tuple[int, ...], _Bucket] = {}
     for index, params in enumerate(named.values()):
         for param in params:
-            grad = param.grad
+            grad = grad_of(param)
             groups: tuple[ProcessGroup, ...] = ()
             local: Tensor | None = grad
             # A missing grad counts as zero laid out like its param, so this rank
@@ -422,7 +423,7 @@ def _raise_if_nonfinite(norm: Tensor, p: float, name: str | None) -> None:
 
 
 def _scale_grads(params: list[Tensor], max_norm: float, norm: Tensor, foreach: bool | None) -> None:
-    grads = [_local(param.grad) for param in params if param.grad is not None]
+    grads = [_local(grad) for param in params if (grad := grad_of(param)) is not None]
     if not grads:
         return
     coef = torch.clamp(max_norm / (norm + _EPS), max=1.0)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from hyper_parallel.core._grads import grad_tensors
+from hyper_parallel.core._grads import grad_of, grad_tensors
 from hyper_parallel.core.distributed._dtensor import local_tensor
 
 __all__ = [
@@ -54,7 +54,7 @@ def grads_are_finite(optimizer: Optimizer) -> bool:
     verdict is combined over the default process group, so all ranks agree
     (and must all call this).
     """
-    grads = [g for p in grad_tensors(optimizer) if (g := p.grad) is not None]
+    grads = [g for p in grad_tensors(optimizer) if (g := grad_of(p)) is not None]
     # the same pass as any state check: one read of the verdicts, not one per gradient
     return not non_finite((str(i), g) for i, g in enumerate(grads))
 
