@@ -121,7 +121,9 @@ def get_hyper_optimizer(
     * family configuration (HyperParallel's): a keyword named after a
       registered optimizer, ``muon={"lr": 0.02}, adamw={"weight_decay": 0.1}``.
       A family's dict holds its options plus ``param_patterns`` (regular
-      expressions over param names that override the default routing) and
+      expressions searched in param names, or globs ``*...``, ``?...``,
+      ``glob:...`` matched against whole names, that override the default
+      routing) and
       ``param_groups`` (``[{"param_patterns": [...], <group options>}]``, some
       of the family's own params with options of their own); ``{}`` is the
       defaults, and a family left out or ``None`` is off. Norms go to

@@ -274,7 +274,8 @@ def _family_options(
         if config is not None and "params" in config:
             raise HyperParallelTypeError(
                 f"{name}= takes no 'params'; select the family's params with 'param_patterns' "
-                "(regular expressions searched in param names)."
+                "(regular expressions searched in param names, or globs such as '*.mlp.*' "
+                "matched against whole names)."
             )
         if config is not None:
             routing[name] = {k: v for k, v in config.items() if k in FAMILY_KEYS}
