@@ -24,7 +24,7 @@ same way, and the optimizers see the same layout they would see without it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -133,27 +133,47 @@ class MainParams:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self)} main copies)"
 
+    def _chosen(
+        self, only: Collection[torch.Tensor] | None
+    ) -> tuple[list[tuple[torch.Tensor, nn.Parameter]], list[torch.Tensor]]:
+        """The pairs whose main copy, and the fp32 params that, are in ``only`` (``None``: all)."""
+        if only is None:
+            return self._pairs, list(self._own.values())
+        ids = {id(t) for t in only}
+        pairs = [(param, main) for param, main in self._pairs if id(main) in ids]
+        return pairs, [param for param in self._own.values() if id(param) in ids]
+
     @torch.no_grad()
-    def grads_to_mains(self) -> None:
+    def grads_to_mains(self, only: Collection[torch.Tensor] | None = None) -> None:
         """Give each main copy its param's gradient, upcast (``None`` stays ``None``).
 
         The gradient is the param's ``main_grad`` where it has one, else its
         ``.grad``, which is released (the main copy now holds it). An fp32
         param with a ``main_grad`` gets it as its ``.grad``.
+
+        Args:
+            only: The tensors the optimizers step (main copies, fp32 params)
+                whose gradients move now; ``None``: all of them.
+                ``SwapOptimizer`` moves each batch's as the batch comes in.
         """
-        for param, main in self._pairs:
+        pairs, own = self._chosen(only)
+        for param, main in pairs:
             grad = _gradient(param)
             main.grad = None if grad is None else grad.to(MAIN_DTYPE)
             param.grad = None
-        for param in self._own.values():
+        for param in own:
             main_grad = getattr(param, MAIN_GRAD_ATTR, None)
             if main_grad is not None:
                 param.grad = main_grad.to(param.dtype)
 
     @torch.no_grad()
-    def mains_to_params(self) -> None:
-        """Round each main copy into its param, and drop the main copies' gradients."""
-        for param, main in self._pairs:
+    def mains_to_params(self, only: Collection[torch.Tensor] | None = None) -> None:
+        """Round each main copy into its param, and drop the main copies' gradients.
+
+        Args:
+            only: The main copies to round (others are left alone); ``None``: all.
+        """
+        for param, main in self._chosen(only)[0]:
             param.copy_(main)
             main.grad = None
 

@@ -1,12 +1,16 @@
 """``SwapOptimizer``: optimizer state kept in host memory or on disk between steps.
 
 Between steps every state tensor of at least ``min_numel`` elements lives in
-the *tier*: pinned host memory (``tier="host"``, for an accelerator) or
-file-backed tensors in ``disk_path`` (``tier="disk"``, anywhere). A step
-brings the state back in ``swap_times`` batches of params, balanced by bytes:
-while one batch updates, the next one's state is read in by a background
-thread, and each batch goes back out as soon as it is done, so at most two
-batches are resident at once (``peak_resident_bytes`` says how much).
+the *tier*: pinned host memory (``tier="host"``) or file-backed tensors in
+``disk_path`` (``tier="disk"``). With ``include_master_params=True`` the fp32
+main copies of a chain built with ``fp32_main_params=True`` live there too.
+A step brings them back in ``swap_times`` batches of params, balanced by
+bytes: while one batch updates, the next one's state is read in by a
+background thread, and each batch goes back out as soon as it is done, so at
+most two batches are resident at once (``peak_resident_bytes`` says how much).
+
+The host tier keeps what is on an accelerator; state that is on the CPU
+already is in host memory, and stays where it is (as in HyperParallel).
 
 The batches are the wrapped optimizer's own update, run on a part of its
 params at a time: group options are restored before each part, so the result
@@ -18,14 +22,11 @@ same collectives.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,14 +34,29 @@ from torch.optim import Optimizer
 
 from hyper_parallel.core.compat import init_optimizer_hooks
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
+from hyper_parallel.core.optimizer._main_params import MainParams
+from hyper_parallel.core.optimizer._swap_tier import Slot, Tier, bind, local_bytes, local_of
 
-__all__ = ["TIERS", "SwapOptimizer", "SwapOptimizerConfig", "is_swap_optimizer"]
+__all__ = [
+    "MASTER_PARAM_KEYS",
+    "TIERS",
+    "SwapOptimizer",
+    "SwapOptimizerConfig",
+    "is_swap_optimizer",
+]
 
 #: Where state lives between steps.
 TIERS = ("host", "disk")
+#: The names of the fp32 main copies in ``state_keys``: HyperParallel's, then this project's.
+MASTER_PARAM_KEYS = ("master_param", "main_param")
 
 _Key = tuple[int, int, str]  # (sub-optimizer index, id(param), state key)
 _ALIGN = 64  # bytes: where each working copy starts in a staging buffer
+_MAIN = MASTER_PARAM_KEYS[0]  # the slot key of a main copy's own values
+#: Set in ``__init__``; never looked up in the wrapped optimizer (a copy has none yet).
+_OWN_ATTRIBUTES = frozenset(
+    {"optimizer", "config", "_subs", "_slots", "_bytes", "_staging", "_tier", "_mains"}
+)
 
 
 @dataclass(frozen=True)
@@ -49,16 +65,22 @@ class SwapOptimizerConfig:
 
     Args:
         swap_times: Batches a step is cut into (balanced by bytes).
-        tier: ``"host"`` (pinned host memory; an accelerator's params only)
-            or ``"disk"`` (files in ``disk_path``).
+        tier: ``"host"`` (pinned host memory; state already on the CPU stays
+            where it is) or ``"disk"`` (files in ``disk_path``).
         disk_path: The directory of the disk tier; ``None``: a temporary one,
             removed when the optimizer is.
-        state_keys: Which state entries to swap (``None``: every tensor).
+        state_keys: Which state entries to swap (``None``: every tensor),
+            kept as a tuple. ``"master_param"`` (or ``"main_param"``) names
+            the fp32 main copies, which ``include_master_params`` swaps.
         min_numel: Tensors with fewer elements (step counters) stay put.
-        include_master_params: Swap fp32 main copies too: not supported (an error).
+        include_master_params: Swap the fp32 main copies too (an optimizer
+            built with ``fp32_main_params=True``): each batch brings its
+            copies in, steps them, rounds them into the model's params and
+            writes them back.
         packed_swap: Read each batch into one of two staging buffers per
             device, reused every step (HyperParallel's A/B buffers); ``False``
-            gives each working copy a tensor of its own.
+            gives each working copy a tensor of its own; ``None``: the
+            default, ``True``.
     """
 
     swap_times: int = 16
@@ -67,31 +89,52 @@ class SwapOptimizerConfig:
     state_keys: Sequence[str] | None = None
     min_numel: int = 1024
     include_master_params: bool = False
-    packed_swap: bool = True
+    packed_swap: bool | None = True
 
     def __post_init__(self) -> None:
         if isinstance(self.swap_times, bool) or not isinstance(self.swap_times, int):
             raise HyperParallelTypeError(f"swap_times must be an int, got {self.swap_times!r}.")
         if self.swap_times < 1:
-            raise HyperParallelValueError(f"swap_times must be >= 1, got {self.swap_times}.")
+            raise HyperParallelValueError(
+                f"swap_times must be positive (>= 1), got {self.swap_times}."
+            )
         if self.tier not in TIERS:
             raise HyperParallelValueError(
                 f"tier must be 'host' or 'disk', got {self.tier!r}; 'disk' keeps the state in "
                 "files of disk_path, 'host' in pinned host memory (for an accelerator)."
             )
         if self.min_numel < 0:
-            raise HyperParallelValueError(f"min_numel must be >= 0, got {self.min_numel}.")
-        if self.include_master_params:
             raise HyperParallelValueError(
-                "include_master_params=True is not supported: fp32 main params stay on the "
-                "device, only optimizer state is swapped; leave it False."
+                f"min_numel must be non-negative (>= 0), got {self.min_numel}."
             )
-        if self.state_keys is not None and (
-            isinstance(self.state_keys, str) or not all(isinstance(k, str) for k in self.state_keys)
-        ):
-            raise HyperParallelTypeError(
-                f"state_keys must be a sequence of state names or None, got {self.state_keys!r}."
+        self._normalize()
+
+    def _normalize(self) -> None:
+        """HyperParallel's normalizations: ``packed_swap=None`` is ``True``, ``state_keys`` a tuple."""
+        for flag in ("include_master_params", "packed_swap"):
+            value = getattr(self, flag)
+            if not isinstance(value, bool) and not (flag == "packed_swap" and value is None):
+                raise HyperParallelTypeError(f"{flag} must be True or False, got {value!r}.")
+        if self.packed_swap is None:  # the backend's default, which is True on torch
+            object.__setattr__(self, "packed_swap", True)
+        object.__setattr__(self, "state_keys", _state_keys(self.state_keys))
+        named = [k for k in self.state_keys or () if k in MASTER_PARAM_KEYS]
+        if named and not self.include_master_params:
+            raise HyperParallelValueError(
+                f"state_keys names {named[0]!r}, the fp32 main copies; they are swapped with "
+                "include_master_params=True. Pass it, or leave the name out."
             )
+
+
+def _state_keys(keys: Sequence[str] | None) -> tuple[str, ...] | None:
+    """``keys`` as a tuple (HyperParallel's normalization), checked to be state names."""
+    if keys is None:
+        return None
+    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+        raise HyperParallelTypeError(
+            f"state_keys must be a sequence of state names or None, got {keys!r}."
+        )
+    return tuple(keys)
 
 
 def is_swap_optimizer(optimizer: Any) -> bool:
@@ -115,10 +158,12 @@ class SwapOptimizer(Optimizer):
     ``state_dict()`` and ``load_state_dict()`` are the wrapped optimizer's
     (the state's tensors being the tier's copies between steps), so LR
     schedulers, ``GradScaler`` and ``hyper_parallel.checkpoint`` work on it.
+    With the host tier, params on the CPU keep their state where it is
+    (host memory already): such an optimizer steps as it would unwrapped.
 
     Raises:
-        ValueError: a bad option, or ``tier="host"`` for params on a CPU
-            (host memory is where they already are: use ``tier="disk"``).
+        ValueError: a bad option, or ``include_master_params=True`` for an
+            optimizer that keeps no fp32 main params.
 
     Examples:
         >>> opt = SwapOptimizer(get_hyper_optimizer(model), swap_times=4, tier="disk")
@@ -141,8 +186,9 @@ class SwapOptimizer(Optimizer):
         self._subs: list[Optimizer] = list(getattr(optimizer, "optimizers", {}).values()) or [
             optimizer
         ]
-        self._tier = _Tier.make(self.config, self._devices())
-        self._slots: dict[_Key, _Slot] = {}
+        self._mains = _swapped_mains(optimizer, self.config)
+        self._tier = Tier(self.config)
+        self._slots: dict[_Key, Slot] = {}
         self._bytes: dict[tuple[int, int], int] = {}  # the state's global bytes, per param
         self._staging: dict[tuple[torch.device, int], torch.Tensor] = {}  # two buffers a device
         self.peak_resident_bytes = 0
@@ -155,13 +201,17 @@ class SwapOptimizer(Optimizer):
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
     @property
     def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
     def __getattr__(self, name: str) -> Any:
         # the wrapped optimizer's own API (a chain's ``optimizers``, ``main_params``, ...)
-        if name in ("optimizer", "_subs", "_slots", "_bytes", "_staging", "_tier", "config"):
+        if name in _OWN_ATTRIBUTES:
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
@@ -196,13 +246,14 @@ class SwapOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         mains = getattr(self.optimizer, "main_params", None)
-        if mains is not None:
-            mains.grads_to_mains()
+        whole = mains if self._mains is None else None  # else each batch moves its own
+        if whole is not None:
+            whole.grads_to_mains()
         try:
             self._step_in_batches()
         finally:
-            if mains is not None:
-                mains.mains_to_params()
+            if whole is not None:
+                whole.mains_to_params()
         return loss
 
     def _step_in_batches(self) -> None:
@@ -224,6 +275,8 @@ class SwapOptimizer(Optimizer):
                 try:
                     self._update(batch, resident, before)
                 finally:
+                    if self._mains is not None:  # the batch's main copies into its params
+                        self._mains.mains_to_params([p for _, p in batch])
                     self._store(batch)
                     del resident
 
@@ -259,7 +312,9 @@ class SwapOptimizer(Optimizer):
         """Step each sub-optimizer on the batch's params only, from the groups' options before the step."""
         held = {(index, id(p)): p for index, p in batch}
         for (index, pid, key), tensor in resident.items():
-            self._subs[index].state[held[(index, pid)]][key] = tensor
+            self._put(index, held[(index, pid)], key, tensor)
+        if self._mains is not None:  # the batch's gradients into its main copies, now resident
+            self._mains.grads_to_mains([p for _, p in batch])
         for index, opt in enumerate(self._subs):
             ids = {id(p) for i, p in batch if i == index}
             if not ids:
@@ -272,24 +327,50 @@ class SwapOptimizer(Optimizer):
     # -- moving state -------------------------------------------------------------------
 
     def _swapped(self, index: int, p: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """``p``'s tensors that live in the tier: chosen state entries, and its own values if a main copy."""
         keys = self.config.state_keys
         for key, value in self._subs[index].state.get(p, {}).items():
-            big = isinstance(value, torch.Tensor) and value.numel() >= self.config.min_numel
-            if big and (keys is None or key in keys):
+            chosen = isinstance(value, torch.Tensor) and (keys is None or key in keys)
+            if chosen and self._movable(index, p, key, value):
                 yield key, value
+        if self._mains is not None and self._mains.param_of(p) is not p:
+            value = p.detach()
+            if self._movable(index, p, _MAIN, value):
+                yield _MAIN, value
+
+    def _movable(self, index: int, p: torch.Tensor, key: str, value: torch.Tensor) -> bool:
+        """Big enough, and not on the CPU already under the host tier (where it stays)."""
+        if value.numel() < self.config.min_numel:
+            return False
+        if (index, id(p), key) in self._slots:
+            return True
+        return self.config.tier != "host" or self._home(index, p).type != "cpu"
+
+    def _home(self, index: int, p: torch.Tensor) -> torch.device:
+        """Where ``p`` steps: its device, or for a main copy in the tier, where it came from."""
+        slot = self._slots.get((index, id(p), _MAIN))
+        return slot.home if slot is not None else local_of(p).device
+
+    def _put(self, index: int, p: torch.Tensor, key: str, tensor: torch.Tensor) -> None:
+        """``tensor`` becomes ``p``'s state entry ``key``, or (a main copy's) ``p``'s values."""
+        if key == _MAIN:
+            bind(p, local_of(tensor))
+        else:
+            self._subs[index].state[p][key] = tensor
 
     def _store(self, batch: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Write the batch's state into the tier; the state entries become the tier's copies."""
+        """Write the batch's tensors into the tier; the tier's copies take their place."""
         for index, p in batch:
             held = 0
             for key, value in list(self._swapped(index, p)):
                 slot = self._slots.get((index, id(p), key))
                 if slot is None or not slot.fits(value):
-                    slot = self._slots[(index, id(p), key)] = self._tier.slot(value)
-                if value is not slot.stored:
+                    home = self._home(index, p)
+                    slot = self._slots[(index, id(p), key)] = self._tier.slot(value, home)
+                if not slot.holds(value):
                     slot.write(value)
                     slot.release()
-                self._subs[index].state[p][key] = slot.stored
+                self._put(index, p, key, slot.stored)
                 held += slot.global_bytes
             self._bytes[(index, id(p))] = held
 
@@ -299,17 +380,17 @@ class SwapOptimizer(Optimizer):
     def _read(
         self, batch: Sequence[tuple[int, torch.Tensor]], buffer: int
     ) -> dict[_Key, torch.Tensor]:
-        """Working copies of the batch's swapped state, on the params' devices.
+        """Working copies of the batch's swapped tensors, on the devices their params step on.
 
         With ``packed_swap`` (the default) they are views of one of two staging
         buffers per device, reused every step, so a step allocates nothing
         for them; otherwise each is a tensor of its own.
         """
         found = [
-            ((index, id(p), key), slot, p.device)
+            ((index, id(p), key), slot, slot.home)
             for index, p in batch
             for key, value in self._swapped(index, p)
-            if (slot := self._slots.get((index, id(p), key))) is not None and value is slot.stored
+            if (slot := self._slots.get((index, id(p), key))) is not None and slot.holds(value)
         ]
         staged = self._staged(found, buffer) if self.config.packed_swap else {}
         out = {}
@@ -319,7 +400,7 @@ class SwapOptimizer(Optimizer):
         return out
 
     def _staged(
-        self, found: Sequence[tuple[_Key, _Slot, torch.device]], buffer: int
+        self, found: Sequence[tuple[_Key, Slot, torch.device]], buffer: int
     ) -> dict[_Key, torch.Tensor]:
         """Byte ranges of staging buffer ``buffer`` (0 or 1) of each device, one per slot."""
         offsets: dict[_Key, tuple[torch.device, int]] = {}
@@ -344,7 +425,7 @@ class SwapOptimizer(Optimizer):
         batches: Sequence[Sequence[tuple[int, torch.Tensor]]],
         index: int,
     ) -> None:
-        now = sum(_local_bytes(t) for t in resident.values())
+        now = sum(local_bytes(t) for t in resident.values())
         if coming is not None:  # the next batch, being read in
             nxt = batches[index + 1]
             now += sum(
@@ -355,106 +436,11 @@ class SwapOptimizer(Optimizer):
             )
         self.peak_resident_bytes = max(self.peak_resident_bytes, now)
 
-    def _devices(self) -> set[torch.device]:
-        return {_local(p).device for _, p in self._params()}
-
     def __getstate__(self) -> dict[str, Any]:
         raise HyperParallelTypeError(
             "A SwapOptimizer cannot be copied or pickled: its state lives in its tier. Save it "
             "with state_dict() or hyper_parallel.checkpoint."
         )
-
-
-# -- the tiers -------------------------------------------------------------------------
-
-
-class _Slot:
-    """Where one state tensor lives between steps: ``stored`` (same type, shape and dtype)."""
-
-    def __init__(self, stored: torch.Tensor, local: torch.Tensor, drop: Callable[[], None]) -> None:
-        self.stored = stored  # the tier's copy, as the state dict shows it (a DTensor stays one)
-        self._local = local  # its local data, in the tier
-        self._drop = drop  # gives the memory of written pages back (disk tier)
-        self.local_bytes = _local_bytes(local)
-        self.global_bytes = stored.numel() * stored.element_size()
-
-    def fits(self, value: torch.Tensor) -> bool:
-        return (
-            type(value) is type(self.stored)
-            and value.shape == self.stored.shape
-            and value.dtype == self.stored.dtype
-            and _local(value).shape == self._local.shape
-        )
-
-    def write(self, value: torch.Tensor) -> None:
-        self._local.copy_(_local(value))
-
-    def read(self, device: torch.device, into: torch.Tensor | None = None) -> torch.Tensor:
-        """A working copy on ``device``: in ``into`` (bytes of a staging buffer) where given."""
-        if into is None:
-            local = self._local.to(device, copy=True)
-        else:
-            local = into.view(self._local.dtype).view(self._local.shape)
-            local.copy_(self._local)
-        return _like(self.stored, local)
-
-    def release(self) -> None:
-        self._drop()
-
-
-class _Tier:
-    """Makes the slots of one tier."""
-
-    def __init__(self, config: SwapOptimizerConfig) -> None:
-        self.config = config
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
-        self._count = itertools.count()
-
-    @classmethod
-    def make(cls, config: SwapOptimizerConfig, devices: set[torch.device]) -> _Tier:
-        if config.tier == "host" and all(d.type == "cpu" for d in devices):
-            raise HyperParallelValueError(
-                "tier='host' keeps optimizer state in host memory, and these params are on the "
-                "CPU, where it already is; use tier='disk' (with disk_path=...) to move it out of "
-                "memory."
-            )
-        return cls(config)
-
-    def _path(self) -> Path:
-        if self.config.disk_path is not None:
-            root = Path(self.config.disk_path)
-            root.mkdir(parents=True, exist_ok=True)
-        else:
-            if self._dir is None:
-                self._dir = tempfile.TemporaryDirectory(prefix="hyper_parallel_swap_")
-            root = Path(self._dir.name)
-        return root / f"state_{os.getpid()}_{next(self._count)}.bin"
-
-    def slot(self, value: torch.Tensor) -> _Slot:
-        local = _local(value)
-        if self.config.tier == "host":
-            held = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
-            held.copy_(local)
-            return _Slot(_like(value, held), held, lambda: None)
-        path = self._path()
-        nbytes = max(local.numel() * local.element_size(), 1)
-        with path.open("wb") as f:
-            f.truncate(nbytes)
-        flat = torch.from_file(str(path), shared=True, size=local.numel(), dtype=local.dtype)
-        held = flat.view(local.shape)
-        held.copy_(local)
-        return _Slot(_like(value, held), held, lambda: _drop_pages(held))
-
-
-def _drop_pages(t: torch.Tensor) -> None:
-    """Unmap the resident pages of a file-backed tensor: its data stays in the file."""
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        page = os.sysconf("SC_PAGE_SIZE")
-        libc.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(-(-nbytes // page) * page), 4)
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -483,6 +469,21 @@ def _config(
     return replace(base, **options) if options else base
 
 
+def _swapped_mains(optimizer: Optimizer, config: SwapOptimizerConfig) -> MainParams | None:
+    """The main copies that ``include_master_params`` keeps in the tier, or ``None``."""
+    if not config.include_master_params:
+        return None
+    mains = getattr(optimizer, "main_params", None)
+    if not isinstance(mains, MainParams):
+        raise HyperParallelValueError(
+            "include_master_params=True keeps the fp32 main copies in the tier, and this "
+            f"{type(optimizer).__name__} keeps none: build it with "
+            "get_hyper_optimizer(..., fp32_main_params=True) (or ChainedOptimizer(..., "
+            "main_params=MainParams(...))), or leave include_master_params False."
+        )
+    return mains
+
+
 @contextlib.contextmanager
 def _restricted(opt: Optimizer, ids: set[int]) -> Iterator[None]:
     """``opt``'s groups hold only the params in ``ids``, from their options before the step."""
@@ -505,25 +506,3 @@ def _reset(group: dict[str, Any], options: Mapping[str, Any]) -> None:
     for key in [k for k in group if k != "params" and k not in options]:
         del group[key]
     group.update(options)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
-def _local_bytes(t: torch.Tensor) -> int:
-    local = _local(t)
-    return local.numel() * local.element_size()
-
-
-def _like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` as a tensor like ``template``: a DTensor of the same mesh and placements."""
-    if not hasattr(template, "device_mesh"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    dt: DTensor = template  # type: ignore[assignment]
-    return DTensor.from_local(
-        local, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape, stride=dt.stride()
-    )
