@@ -16,19 +16,32 @@ from hyper_parallel.core.errors import (
     HyperParallelTypeError,
     HyperParallelValueError,
 )
-from hyper_parallel.core.optimizer._chained_views import ChainedDefaults, ChainedState, ModelGroup
+from hyper_parallel.core.optimizer._chained_views import (
+    ChainedDefaults,
+    ChainedState,
+    ModelGroup,
+    assigned_groups,
+)
 from hyper_parallel.core.optimizer._main_params import (
     MainParams,
     warn_main_params_dropped,
     warn_main_params_rebuilt,
 )
 
-__all__ = ["MAIN_PARAM_KEY", "OWNER_KEY", "ChainedOptimizer"]
+__all__ = ["MAIN_PARAM_KEY", "OWNER_KEY", "ChainedOptimizer", "NotOneOptimizerError"]
 
 #: The key of a param's fp32 main copy in its state in :meth:`ChainedOptimizer.state_dict`.
 MAIN_PARAM_KEY = "main_param"
 #: The key of a saved param group that names the sub-optimizer it belongs to.
 OWNER_KEY = "optimizer"
+
+
+class NotOneOptimizerError(HyperParallelAttributeError, HyperParallelValueError):
+    """``ChainedOptimizer.optimizer`` of a chain of several sub-optimizers.
+
+    An ``AttributeError``, so that ``hasattr(optimizer, "optimizer")`` hears
+    "no", and a ``ValueError``, which HyperParallel raises and its users catch.
+    """
 
 
 class ChainedOptimizer(Optimizer):
@@ -45,6 +58,11 @@ class ChainedOptimizer(Optimizer):
     * ``state_dict()`` has torch's optimizer format (each group marked with
       its sub-optimizer's name), so torch's distributed-checkpoint helpers
       save and load it.
+
+    As in HyperParallel, iterating over it gives the sub-optimizers,
+    ``defaults`` is the first sub-optimizer's, and ``param_groups`` can be
+    set (each sub-optimizer gets its part). Sub-optimizers by name:
+    :attr:`optimizers` (or ``optimizers_dict``, ``optimizer["muon"]``).
 
     Args:
         optimizers: A mapping of name to optimizer, e.g.
@@ -84,7 +102,6 @@ class ChainedOptimizer(Optimizer):
         self._names: dict[int, str] = {}
         for param_name, param in param_names or ():
             self._names.setdefault(id(param), param_name)
-        self.defaults: dict[str, Any] = ChainedDefaults(named)
         init_optimizer_hooks(self)
 
     # -- the Optimizer surface ----------------------------------------------
@@ -103,6 +120,27 @@ class ChainedOptimizer(Optimizer):
         if self.main_params is None or not len(self.main_params):
             return groups
         return [ModelGroup(g, self.main_params) for g in groups]  # type: ignore[misc]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Give each sub-optimizer its part of ``groups``, in order (HyperParallel's setter).
+
+        ``groups`` has one group for each of :attr:`param_groups` (those read
+        from it, changed or regrouped); each sub-optimizer must keep exactly
+        its own params, since its state is keyed by them.
+        """
+        for name, part in assigned_groups(groups, self.optimizers, self.main_params).items():
+            self.optimizers[name].param_groups = part
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The first sub-optimizer's ``defaults`` (HyperParallel's), read and written through.
+
+        ``"momentum" in defaults`` and ``"betas" in defaults`` (what torch's
+        cyclic schedulers ask) answer for the whole chain, and are an error
+        that says what to do when the sub-optimizers disagree.
+        """
+        return ChainedDefaults(self.optimizers)  # type: ignore[return-value]
 
     @property
     def state(self) -> Mapping[torch.Tensor, Any]:  # type: ignore[override]
@@ -198,17 +236,28 @@ class ChainedOptimizer(Optimizer):
         """The one sub-optimizer of a chain that has one (HyperParallel's ``.optimizer``).
 
         Raises:
-            AttributeError: the chain has more than one; pick one from
+            NotOneOptimizerError: the chain has more than one; pick one from
                 :attr:`optimizers`. An ``AttributeError``, so that wrappers that
                 ask ``hasattr(optimizer, "optimizer")`` (accelerate's, under
-                Hugging Face ``Trainer``) hear "no" rather than crash.
+                Hugging Face ``Trainer``) hear "no" rather than crash, and a
+                ``ValueError``, as HyperParallel raises.
         """
         if len(self.optimizers) != 1:
-            raise HyperParallelAttributeError(
+            raise NotOneOptimizerError(
                 f"ChainedOptimizer has more than one optimizer ({', '.join(self.optimizers)}); "
                 "pick one with optimizer.optimizers[name]."
             )
         return next(iter(self.optimizers.values()))
+
+    @property
+    def chained_optimizers(self) -> list[Optimizer]:
+        """HyperParallel's list of the sub-optimizers, in order (a new list each time)."""
+        return list(self.optimizers.values())
+
+    @property
+    def optimizers_keys(self) -> list[str]:
+        """HyperParallel's list of the sub-optimizers' names, in order (a new list each time)."""
+        return list(self.optimizers)
 
     def __repr__(self) -> str:
         inner = "\n".join(
@@ -217,13 +266,21 @@ class ChainedOptimizer(Optimizer):
         return f"{type(self).__name__}(\n{inner}\n)"
 
     def __getitem__(self, name: str) -> Optimizer:
+        """The sub-optimizer named ``name`` (as ``optimizers[name]``)."""
         return self.optimizers[name]
 
     def __len__(self) -> int:
         return len(self.optimizers)
 
-    def __iter__(self) -> Iterator[str]:  # type: ignore[override]
-        return iter(self.optimizers)
+    def __iter__(self) -> Iterator[Optimizer]:  # type: ignore[override]
+        """The sub-optimizers, in order (HyperParallel's); their names: :attr:`optimizers`."""
+        return iter(self.optimizers.values())
+
+    def __contains__(self, item: object) -> bool:
+        """Whether ``item`` is one of the sub-optimizers, or the name of one."""
+        if isinstance(item, str):
+            return item in self.optimizers
+        return any(item is opt for opt in self.optimizers.values())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

@@ -13,10 +13,14 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from hyper_parallel.core.errors import HyperParallelKeyError, HyperParallelValueError
+from hyper_parallel.core.errors import (
+    HyperParallelKeyError,
+    HyperParallelTypeError,
+    HyperParallelValueError,
+)
 from hyper_parallel.core.optimizer._main_params import MainParams
 
-__all__ = ["ChainedDefaults", "ChainedState", "ModelGroup"]
+__all__ = ["ChainedDefaults", "ChainedState", "ModelGroup", "assigned_groups"]
 
 
 class ChainedState(Mapping[torch.Tensor, Any]):
@@ -39,24 +43,50 @@ class ChainedState(Mapping[torch.Tensor, Any]):
         return sum(len(opt.state) for opt in self._optimizers.values())
 
 
-class ChainedDefaults(dict[str, Any]):
-    """A chain's (empty) ``defaults``, which answers torch's cyclic schedulers.
+class ChainedDefaults(MutableMapping[str, Any]):
+    """A chain's ``defaults``: its first sub-optimizer's (as HyperParallel's), read and written through.
 
+    It also answers torch's cyclic schedulers for the whole chain:
     ``OneCycleLR`` and ``CyclicLR`` with ``cycle_momentum=True`` ask whether
     ``"momentum"`` or ``"betas"`` is in ``optimizer.defaults`` and then cycle
     that key in every group. That works when every sub-optimizer has the key
     (Muon with Sinkhorn or SGD: each group's own momentum is cycled); a chain
     that mixes momentum and betas (Muon with AdamW) is an error that says
-    what to do instead.
+    what to do instead, where the first sub-optimizer's answer alone would
+    have the scheduler write a key the others never read.
     """
 
     def __init__(self, optimizers: Mapping[str, Optimizer]) -> None:
-        super().__init__()
         self._optimizers = optimizers
+
+    def _first(self) -> dict[str, Any]:
+        return next(iter(self._optimizers.values())).defaults
+
+    def __getitem__(self, key: str) -> Any:
+        return self._first()[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._first()[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._first()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._first())
+
+    def __len__(self) -> int:
+        return len(self._first())
+
+    def __repr__(self) -> str:
+        return repr(self._first())
+
+    def copy(self) -> dict[str, Any]:
+        """A plain dict of the first sub-optimizer's defaults (as ``dict.copy``)."""
+        return dict(self._first())
 
     def __contains__(self, key: object) -> bool:
         if key not in ("momentum", "betas"):
-            return super().__contains__(key)
+            return key in self._first()
         having = [name for name, opt in self._optimizers.items() if key in opt.defaults]
         if not having or len(having) == len(self._optimizers):
             return bool(having)
@@ -70,17 +100,85 @@ class ChainedDefaults(dict[str, Any]):
         )
 
 
+def assigned_groups(
+    groups: Any, optimizers: Mapping[str, Optimizer], main_params: MainParams | None
+) -> dict[str, list[dict[str, Any]]]:
+    """``groups`` (a new ``param_groups`` for a chain) cut into each sub-optimizer's part.
+
+    The parts follow the chain's order, each as long as that sub-optimizer's
+    groups now (HyperParallel's setter). A :class:`ModelGroup` gives back the
+    group it shows; with main copies, a group naming model params gets their
+    copies in a new dict. Each sub-optimizer must keep exactly its own params,
+    regrouped as wished: its state is keyed by them, so a param moved or left
+    out would lose its state without a word.
+
+    Raises:
+        TypeError: ``groups`` is not a list of groups with ``"params"``.
+        ValueError: another number of groups, or of params for a sub-optimizer.
+    """
+    have = sum(len(opt.param_groups) for opt in optimizers.values())
+    if not isinstance(groups, list):
+        raise HyperParallelTypeError(
+            f"ChainedOptimizer.param_groups must be set to a list of param groups, got "
+            f"{type(groups).__name__}."
+        )
+    if len(groups) != have:
+        raise HyperParallelValueError(
+            f"ChainedOptimizer.param_groups has {have} groups; it was set to {len(groups)}. Set "
+            "one group for each (change their options, or regroup a sub-optimizer's params)."
+        )
+    parts: dict[str, list[dict[str, Any]]] = {}
+    start = 0
+    for name, opt in optimizers.items():
+        count = len(opt.param_groups)
+        parts[name] = [_own_group(g, main_params) for g in groups[start : start + count]]
+        start += count
+        _check_same_params(name, opt, parts[name])
+    return parts
+
+
+def _own_group(group: Any, main_params: MainParams | None) -> dict[str, Any]:
+    """The group dict a sub-optimizer holds for ``group``."""
+    if isinstance(group, ModelGroup):
+        return group.group
+    if not isinstance(group, dict) or "params" not in group:
+        raise HyperParallelTypeError(
+            "Each group set into ChainedOptimizer.param_groups must be a dict with 'params', "
+            f"got {type(group).__name__}."
+        )
+    params = group["params"]
+    listed = [params] if isinstance(params, torch.Tensor) else list(params)
+    if main_params is not None and any(main_params.main_of(p) is not p for p in listed):
+        return {**group, "params": [main_params.main_of(p) for p in listed]}
+    if not isinstance(params, list):
+        group["params"] = listed
+    return group
+
+
+def _check_same_params(name: str, opt: Optimizer, groups: list[dict[str, Any]]) -> None:
+    """``groups`` hold ``opt``'s params, each once."""
+    now = sorted(id(p) for g in opt.param_groups for p in g["params"])
+    new = sorted(id(p) for g in groups for p in g["params"])
+    if now != new:
+        raise HyperParallelValueError(
+            f"The groups set for sub-optimizer {name!r} hold {len(new)} params, not its own "
+            f"{len(now)}, each once: a sub-optimizer keeps its params (its state is keyed by "
+            "them). Regroup its own params as you like; to give a param to another "
+            "sub-optimizer, build the chain with it there."
+        )
+
+
 class ModelGroup(MutableMapping[str, Any]):
     """A sub-optimizer's param group whose ``"params"`` are the model params, not main copies."""
 
     def __init__(self, group: dict[str, Any], main_params: MainParams) -> None:
-        self._group = group
+        self.group = group  # the sub-optimizer's own dict
         self._main_params = main_params
 
     def __getitem__(self, key: str) -> Any:
         if key == "params":
-            return [self._main_params.param_of(p) for p in self._group["params"]]
-        return self._group[key]
+            return [self._main_params.param_of(p) for p in self.group["params"]]
+        return self.group[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key == "params":
@@ -88,16 +186,16 @@ class ModelGroup(MutableMapping[str, Any]):
                 "The params of a ChainedOptimizer group with main copies are fixed; add params "
                 "with add_param_group."
             )
-        self._group[key] = value
+        self.group[key] = value
 
     def __delitem__(self, key: str) -> None:
-        del self._group[key]
+        del self.group[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._group)
+        return iter(self.group)
 
     def __len__(self) -> int:
-        return len(self._group)
+        return len(self.group)
 
     def __repr__(self) -> str:
         return repr({key: self[key] for key in self})
