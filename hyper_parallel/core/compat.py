@@ -99,6 +99,13 @@ def fsdp_reduced_grad_slots(unit: Any) -> list[ReducedGradSlot]:
     ]
 
 
+def set_local_data(param: torch.Tensor, data: torch.Tensor) -> None:
+    """Make ``data`` the values of ``param`` in place: a plain tensor's ``.data``, or a
+    DTensor's local shard (its ``_local_tensor``: DTensor has no public way to swap it)."""
+    holder = getattr(param, "_local_tensor", param)
+    holder.data = data
+
+
 def device_has_foreach_support(device: torch.device) -> bool:
     """Whether torch has foreach kernels for tensors on ``device``."""
     from torch.utils._foreach_utils import _device_has_foreach_support

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hyper_parallel.core.compat import set_local_data
+
 if TYPE_CHECKING:
     from hyper_parallel.core.optimizer._swap import SwapOptimizerConfig
 
@@ -156,8 +158,6 @@ def bind(param: torch.Tensor, data: torch.Tensor) -> None:
     """Make ``data`` the values of ``param`` (its local shard, for a DTensor), keeping the object.
 
     The optimizers hold ``param`` and key their state by it, so it stays the
-    same object; only where its values live changes. A DTensor has no public
-    way to swap its shard, so its ``_local_tensor`` takes the data.
+    same object; only where its values live changes (:func:`~hyper_parallel.core.compat.set_local_data`).
     """
-    holder = getattr(param, "_local_tensor", param)
-    holder.data = data
+    set_local_data(param, data)
