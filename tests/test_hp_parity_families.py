@@ -1,4 +1,4 @@
-"""Family selectors written as globs beside regular expressions (issue 40, item 9).
+"""Family selectors written as globs beside regular expressions.
 
 HyperParallel's ``param_patterns`` are regular expressions, searched in a param's names; its
 users also write MindFormers-style globs (``adamw_include: ["*word_embeddings*", ...]``). Here a
