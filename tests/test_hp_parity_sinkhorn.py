@@ -291,3 +291,15 @@ def test_hsdp_replica_count_on_sharded_replicas() -> None:
     from distributed import run_distributed
 
     run_distributed(_replicas, world_size=4)
+
+
+def test_an_edited_bad_option_stops_the_step_before_any_group_changes() -> None:
+    torch.manual_seed(0)
+    first, second = nn.Parameter(torch.randn(4, 6)), nn.Parameter(torch.randn(5, 3))
+    optimizer = Sinkhorn([{"params": [first]}, {"params": [second]}], lr=0.1)
+    first.grad, second.grad = torch.randn(4, 6), torch.randn(5, 3)
+    before = first.detach().clone()
+    optimizer.param_groups[1]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="Learning rate should be finite"):
+        optimizer.step()
+    assert torch.equal(first, before) and optimizer.state[first] == {}

@@ -330,3 +330,27 @@ def _fsdp_matches_one_process(rank: int, world_size: int) -> None:
 
 def test_fsdp_two_ranks_equal_one_process() -> None:
     run_distributed(_fsdp_matches_one_process, world_size=2)
+
+
+def test_a_main_grad_is_used_once_however_the_loop_clears_gradients() -> None:
+    """main_grad moves into the main copy at the step and is released: a trainer that clears
+    gradients with model.zero_grad() (which knows nothing of main_grad) does not add it twice."""
+    torch.manual_seed(0)
+    model = TinyLM().to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    optimizers = [
+        get_hyper_optimizer(m, adamw={"lr": 1e-2}, fp32_main_params=True) for m in (model, twin)
+    ]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen) for p in model.parameters()]
+        for m in (model, twin):
+            for p, g in zip(m.parameters(), grads, strict=True):
+                p.main_grad = g.clone()  # type: ignore[attr-defined]
+        optimizers[0].step()
+        model.zero_grad()  # a trainer's way: main_grad untouched
+        optimizers[1].step()
+        optimizers[1].zero_grad()
+        assert all(getattr(p, "main_grad", None) is None for p in model.parameters())
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -365,8 +365,10 @@ class Sinkhorn(MatrixOptimizer):
         """float32 (float64 for float64 params), whatever the param's dtype."""
         return torch.zeros_like(grad, dtype=state_dtype(param), memory_format=torch.preserve_format)
 
-    def _step_group(self, group: dict[str, Any]) -> None:
+    def _check_step(self, group: dict[str, Any]) -> None:
         _validate_options(group)  # a group's options may have been edited since it was added
+
+    def _step_group(self, group: dict[str, Any]) -> None:
         params, grads, buffers = self._params_with_grads(group)
         if not params:
             return

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyper_parallel.core._grads import MAIN_GRAD_ATTR
+from hyper_parallel.core._grads import MAIN_GRAD_ATTR, grad_of
 
 __all__ = [
     "MAIN_DTYPE",
@@ -43,12 +43,6 @@ __all__ = [
 
 #: The dtype of every main copy.
 MAIN_DTYPE = torch.float32
-
-
-def _gradient(param: torch.Tensor) -> torch.Tensor | None:
-    """``param``'s ``main_grad`` where it has one, else its ``.grad``."""
-    main_grad = getattr(param, MAIN_GRAD_ATTR, None)
-    return param.grad if main_grad is None else main_grad
 
 
 def warn_main_params_rebuilt(source: str) -> None:
@@ -148,8 +142,10 @@ class MainParams:
         """Give each main copy its param's gradient, upcast (``None`` stays ``None``).
 
         The gradient is the param's ``main_grad`` where it has one, else its
-        ``.grad``, which is released (the main copy now holds it). An fp32
-        param with a ``main_grad`` gets it as its ``.grad``.
+        ``.grad``; both are released (the main copy now holds it), so the
+        next backward starts a new one whoever clears gradients (a trainer's
+        ``model.zero_grad()`` does not know ``main_grad``). An fp32 param with
+        a ``main_grad`` gets it as its ``.grad``.
 
         Args:
             only: The tensors the optimizers step (main copies, fp32 params)
@@ -158,13 +154,15 @@ class MainParams:
         """
         pairs, own = self._chosen(only)
         for param, main in pairs:
-            grad = _gradient(param)
+            grad = grad_of(param)
             main.grad = None if grad is None else grad.to(MAIN_DTYPE)
             param.grad = None
+            _release_main_grad(param)
         for param in own:
             main_grad = getattr(param, MAIN_GRAD_ATTR, None)
             if main_grad is not None:
                 param.grad = main_grad.to(param.dtype)
+                _release_main_grad(param)
 
     @torch.no_grad()
     def mains_to_params(self, only: Collection[torch.Tensor] | None = None) -> None:
@@ -214,3 +212,9 @@ class MainParams:
             self._pair(param, main)
         for param in state.get("own", ()):
             self._own[id(param)] = param
+
+
+def _release_main_grad(param: torch.Tensor) -> None:
+    """Drop ``param``'s ``main_grad`` once its main copy (or ``.grad``) holds it."""
+    if getattr(param, MAIN_GRAD_ATTR, None) is not None:
+        setattr(param, MAIN_GRAD_ATTR, None)

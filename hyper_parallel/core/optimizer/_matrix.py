@@ -153,6 +153,12 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
     def _check_param(self, param: Tensor, group: dict[str, Any]) -> None:
         """Raise ``ValueError`` for a param the update cannot take under ``group``'s options."""
 
+    def _check_step(self, group: dict[str, Any]) -> None:
+        """Raise before a step changes anything, for a group option edited since it was added.
+
+        Called on every group before any group steps (by default: nothing to check).
+        """
+
     @abc.abstractmethod
     def _step_group(self, group: dict[str, Any]) -> None:
         """Update the params of ``group`` that have a gradient (called under ``no_grad``)."""
@@ -193,6 +199,8 @@ def _step_groups(optimizer: MatrixOptimizer) -> None:
     than 8 matrix shapes or a changing lr hit Dynamo's recompile limit. The
     rest of a compiled step (AdamW, the chain) still compiles.
     """
+    for group in optimizer.param_groups:  # every group's check before any group changes
+        optimizer._check_step(group)
     for group in optimizer.param_groups:
         optimizer._step_group(group)
 
