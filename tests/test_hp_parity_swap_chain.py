@@ -370,3 +370,21 @@ def test_optimizer_of_several_is_hyperparallels_value_error_and_an_attribute_err
     with pytest.raises(ValueError, match="more than one optimizer"):
         _ = chain.optimizer
     assert not hasattr(chain, "optimizer")
+
+
+def test_setting_param_groups_refuses_a_typo_before_changing_anything_and_fills_defaults() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    chain = get_hyper_optimizer(model, muon={}, adamw={})
+    groups = [dict(g) for g in chain.param_groups]
+    before = [dict(g) for g in groups]
+    groups[-1]["lrr"] = 0.1
+    with pytest.raises(ValueError, match="lrr"):
+        chain.param_groups = groups
+    assert [set(g) for g in groups[:-1]] == [set(g) for g in before[:-1]]  # nothing filled in
+    del groups[-1]["lrr"]
+    trimmed = [{"params": g["params"], "lr": 0.5} for g in groups]
+    chain.param_groups = trimmed
+    for group, sub in zip(trimmed, [g for o in chain for g in o.param_groups], strict=True):
+        assert group is sub and group["lr"] == 0.5  # the caller's dicts, completed
+        assert ("weight_decay" in group and "betas" in group) or "momentum" in group

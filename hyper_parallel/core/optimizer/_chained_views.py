@@ -19,6 +19,7 @@ from hyper_parallel.core.errors import (
     HyperParallelValueError,
 )
 from hyper_parallel.core.optimizer._main_params import MainParams
+from hyper_parallel.core.options import check_group_keys
 
 __all__ = ["ChainedDefaults", "ChainedState", "ModelGroup", "assigned_groups"]
 
@@ -110,11 +111,16 @@ def assigned_groups(
     group it shows; with main copies, a group naming model params gets their
     copies in a new dict. Each sub-optimizer must keep exactly its own params,
     regrouped as wished: its state is keyed by them, so a param moved or left
-    out would lose its state without a word.
+    out would lose its state without a word. A group may set only the keys
+    its sub-optimizer's groups or defaults hold (a typo is refused, with a
+    suggestion); what it leaves out is its sub-optimizer's default, as
+    ``add_param_group`` fills it. Every part is checked before any group
+    dict is changed.
 
     Raises:
         TypeError: ``groups`` is not a list of groups with ``"params"``.
-        ValueError: another number of groups, or of params for a sub-optimizer.
+        ValueError: another number of groups, or of params for a sub-optimizer,
+            or a key its sub-optimizer does not know.
     """
     have = sum(len(opt.param_groups) for opt in optimizers.values())
     if not isinstance(groups, list):
@@ -134,6 +140,13 @@ def assigned_groups(
         parts[name] = [_own_group(g, main_params) for g in groups[start : start + count]]
         start += count
         _check_same_params(name, opt, parts[name])
+        known = set(opt.defaults).union(*(g.keys() for g in opt.param_groups))
+        for group in parts[name]:
+            check_group_keys(group, known, where=f"sub-optimizer {name!r}")
+    for name, part in parts.items():  # all checked: now complete them
+        for group in part:
+            for key, value in optimizers[name].defaults.items():
+                group.setdefault(key, value)
     return parts
 
 
@@ -150,8 +163,8 @@ def _own_group(group: Any, main_params: MainParams | None) -> dict[str, Any]:
     listed = [params] if isinstance(params, torch.Tensor) else list(params)
     if main_params is not None and any(main_params.main_of(p) is not p for p in listed):
         return {**group, "params": [main_params.main_of(p) for p in listed]}
-    if not isinstance(params, list):
-        group["params"] = listed
+    if not isinstance(params, list):  # a tensor, tuple or generator: read once, here
+        return {**group, "params": listed}
     return group
 
 
