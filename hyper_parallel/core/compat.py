@@ -66,6 +66,11 @@ def fsdp_param_groups(unit: Any) -> list[Any]:
     return list(unit._get_fsdp_state()._fsdp_param_groups)
 
 
+def fsdp_all_reduce_hooks(unit: Any) -> list[Any]:
+    """The all-reduce hook each FSDP2 param group of ``unit`` holds now (``None`` where unset)."""
+    return [getattr(group, "_all_reduce_hook", None) for group in fsdp_param_groups(unit)]
+
+
 @dataclass(frozen=True)
 class ReducedGradSlot:
     """Where FSDP2 writes one param's reduced gradient shard in its unit's flat reduce output.

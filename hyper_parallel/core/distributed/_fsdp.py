@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from hyper_parallel.core._grads import MAIN_GRAD_ATTR
 from hyper_parallel.core.compat import (
     ReducedGradSlot,
-    fsdp_param_groups,
+    fsdp_all_reduce_hooks,
     fsdp_reduced_grad_slots,
 )
 from hyper_parallel.core.distributed._mesh import hsdp_mesh, init_device_mesh
@@ -268,15 +268,14 @@ def _install_hooks(module: nn.Module, scaling: GradientScaling, *, main_grad: bo
     for unit in module.modules():
         if not isinstance(unit, FSDPModule):
             continue
-        groups = fsdp_param_groups(unit)
-        current = [getattr(g, "_all_reduce_hook", None) for g in groups]
+        current = fsdp_all_reduce_hooks(unit)
         ours = [isinstance(h, _UnitHook) and h.scaling is scaling for h in current]
         if any(hook is not None and not mine for hook, mine in zip(current, ours, strict=True)):
             raise HyperParallelValueError(
                 f"FSDP unit {type(unit).__name__} already has an all-reduce hook "
                 "(set_all_reduce_hook); the gradient scaling factor and main_grad need that slot."
             )
-        if groups and not all(ours):
+        if current and not all(ours):
             unit.set_all_reduce_hook(_UnitHook(unit, scaling, main_grad))
 
 
