@@ -388,3 +388,16 @@ def test_setting_param_groups_refuses_a_typo_before_changing_anything_and_fills_
     for group, sub in zip(trimmed, [g for o in chain for g in o.param_groups], strict=True):
         assert group is sub and group["lr"] == 0.5  # the caller's dicts, completed
         assert ("weight_decay" in group and "betas" in group) or "momentum" in group
+
+
+def test_a_swapped_chain_is_iterated_and_indexed_like_the_chain() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    chain = get_hyper_optimizer(model, muon={}, adamw={})
+    swapped = SwapOptimizer(chain, SwapOptimizerConfig())
+    assert list(swapped) == list(chain) and len(swapped) == len(chain) == 2
+    assert swapped["muon"] is chain["muon"] and "adamw" in swapped
+    plain = SwapOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), SwapOptimizerConfig())
+    assert plain  # true, though what it wraps has no len
+    with pytest.raises(TypeError):
+        iter(plain)

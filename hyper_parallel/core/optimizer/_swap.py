@@ -215,11 +215,33 @@ class SwapOptimizer(Optimizer):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
+    # a wrapped chain's container protocol: ``for sub in swapped``, ``swapped["muon"]``, ...
+    # (a TypeError from the wrapped optimizer where it is no container)
+    def __iter__(self) -> Iterator[Any]:
+        wrapped: Any = self.optimizer
+        return iter(wrapped)
+
+    def __len__(self) -> int:
+        wrapped: Any = self.optimizer
+        return len(wrapped)
+
+    def __bool__(self) -> bool:  # an optimizer is true, whatever __len__ says of what it wraps
+        return True
+
+    def __getitem__(self, key: Any) -> Any:
+        wrapped: Any = self.optimizer
+        return wrapped[key]
+
+    def __contains__(self, item: object) -> bool:
+        wrapped: Any = self.optimizer
+        return item in wrapped
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
+    def add_param_group(self, param_group: dict[str, Any], **options: Any) -> None:
+        """The wrapped optimizer's ``add_param_group`` (a chain's takes ``optimizer=``)."""
+        self.optimizer.add_param_group(param_group, **options)
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict; its tensors are the tier's copies."""
