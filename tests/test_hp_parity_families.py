@@ -14,31 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+from test_families import llama, routed
 from torch import nn
 
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.optimizer import ChainedOptimizer, get_hyper_optimizer
 
-TINY = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def llama(tied: bool = False) -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY, tie_word_embeddings=tied)
-    return transformers.LlamaForCausalLM(config)  # type: ignore[no-any-return]
-
-
-def routed(optimizer: ChainedOptimizer) -> dict[str, set[str]]:
-    return {name: set(names) for name, names in optimizer.param_names_by_optimizer.items()}
 
 
 def mlp_weights(model: nn.Module, layer: int | None = None) -> set[str]:
