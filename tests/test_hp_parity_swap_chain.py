@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_distributed
+from test_swap import failing_at_its_second_step
 from torch import nn
 
 from conftest import TinyLM, lm_loss
@@ -220,20 +221,10 @@ def test_swapped_main_copies_round_trip_checkpoints(tmp_path: Path) -> None:
 def test_a_failed_batch_leaves_the_main_copies_in_the_tier_and_rounded(tmp_path: Path) -> None:
     model, opt = _swapping_mains(tmp_path, swap_times=4)
     _train(model, opt, 1)
-    muon = opt.optimizers["muon"]
-    real_step, calls = muon.step, [0]
-
-    def failing_step(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == 2:
-            raise RuntimeError("injected")
-        return real_step(*args, **kwargs)
-
     lm_loss(model, _batch(1)).backward()
-    muon.step = failing_step  # type: ignore[method-assign]
-    with pytest.raises(RuntimeError, match="injected"):
+    injected = pytest.raises(RuntimeError, match="injected")
+    with failing_at_its_second_step(opt.optimizers["muon"]), injected:
         opt.step()
-    muon.step = real_step  # type: ignore[method-assign]
     assert _mains_in_the_tier(opt)
     for param, main in opt.main_params:
         assert torch.equal(param, main.to(param.dtype))  # each param is its copy, rounded

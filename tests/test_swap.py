@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -130,24 +132,33 @@ def test_checkpoints_round_trip_with_and_without_swapping(
         assert torch.equal(p, q)
 
 
+@contextmanager
+def failing_at_its_second_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """``optimizer.step`` raises ``RuntimeError("injected")`` at its second call (a swapped
+    step's second batch); the step is restored on leaving."""
+    real_step, calls = optimizer.step, [0]
+
+    def failing_step(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected")
+        return real_step(*args, **kwargs)
+
+    optimizer.step = failing_step  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        optimizer.step = real_step  # type: ignore[method-assign]
+
+
 def test_an_exception_mid_step_leaves_a_working_optimizer(tmp_path: Path) -> None:
     model, inner = _build(partitioner="by_shape")
     opt = SwapOptimizer(inner, swap_times=4, tier="disk", disk_path=tmp_path, min_numel=0)
     _train(model, opt, 2)
-    muon = inner.optimizers["muon"]
-    real_step, calls = muon.step, [0]
-
-    def failing_step(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == 2:  # the second batch
-            raise RuntimeError("injected")
-        return real_step(*args, **kwargs)
-
     lm_loss(model, _batch(2)).backward()
-    muon.step = failing_step  # type: ignore[method-assign]
-    with pytest.raises(RuntimeError, match="injected"):
+    injected = pytest.raises(RuntimeError, match="injected")
+    with failing_at_its_second_step(inner.optimizers["muon"]), injected:
         opt.step()
-    muon.step = real_step  # type: ignore[method-assign]
     opt.zero_grad()
     # every state tensor is back in the tier, none resident
     for index, sub in enumerate(opt._subs):
