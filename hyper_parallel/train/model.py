@@ -13,6 +13,7 @@ build it small (a subclass may rename the block norms through
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from hyper_parallel.core.errors import HyperParallelValueError
+from hyper_parallel.qk_clip import QKLayout
 
 __all__ = ["DecoderBlock", "GPTConfig", "RMSNorm", "TinyGPT"]
 
@@ -65,6 +67,9 @@ class DecoderBlock(nn.Module):
 
     #: Names of the norm before attention and the norm before the MLP (Llama's).
     norm_names: ClassVar[tuple[str, str]] = ("input_layernorm", "post_attention_layernorm")
+    #: The attention function; :func:`hyper_parallel.qk_clip.track` gives a tracked block
+    #: one of its own that also records each head's largest logit.
+    attention: ClassVar[Callable[..., torch.Tensor]] = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(
         self, dim: int, mlp_hidden: int, qkv_bias: bool = False, *, heads: int = 1
@@ -81,6 +86,18 @@ class DecoderBlock(nn.Module):
         self.up_proj = nn.Linear(dim, mlp_hidden, bias=False)
         self.down_proj = nn.Linear(mlp_hidden, dim, bias=False)
 
+    def qk_layout(self) -> QKLayout:
+        """Where this block's query and key heads are, for QK-clip."""
+        bias = self.q_proj.bias is not None
+        return QKLayout(
+            query="q_proj.weight",
+            key="k_proj.weight",
+            head_dim=self.q_proj.out_features // self.heads,
+            num_heads=self.heads,
+            query_bias="q_proj.bias" if bias else None,
+            key_bias="k_proj.bias" if bias else None,
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         attention_norm, mlp_norm = (self.get_submodule(name) for name in self.norm_names)
@@ -90,7 +107,7 @@ class DecoderBlock(nn.Module):
             out: torch.Tensor = proj(h)
             return out.view(b, t, self.heads, d // self.heads).transpose(1, 2)
 
-        att = F.scaled_dot_product_attention(
+        att = self.attention(
             heads(self.q_proj), heads(self.k_proj), heads(self.v_proj), is_causal=True
         )
         x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, d))

@@ -163,6 +163,9 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
     def _step_group(self, group: dict[str, Any]) -> None:
         """Update the params of ``group`` that have a gradient (called under ``no_grad``)."""
 
+    def _finish_step(self) -> None:
+        """Called once every group has stepped, under ``no_grad`` (by default: nothing)."""
+
     @overload
     def step(self, closure: None = None) -> None: ...
 
@@ -203,6 +206,7 @@ def _step_groups(optimizer: MatrixOptimizer) -> None:
         optimizer._check_step(group)
     for group in optimizer.param_groups:
         optimizer._step_group(group)
+    optimizer._finish_step()
 
 
 def by_device_and_dtype(tensors: list[Tensor]) -> list[list[int]]:

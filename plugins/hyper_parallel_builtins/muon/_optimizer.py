@@ -15,6 +15,8 @@ from hyper_parallel.core.distributed.toolkit import local_tensor
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer import MatrixOptimizer
 from hyper_parallel.core.plugin import RegisterFn
+from hyper_parallel.qk_clip._clip import ClipGroup, ClipPlan, QKClipStats, plan_clip
+from hyper_parallel.qk_clip._layers import tracking
 from hyper_parallel_builtins.muon._extensions import (
     MomentumUpdateFn,
     MuonPostUpdateContext,
@@ -67,6 +69,8 @@ _EXTRA_DEFAULTS: Mapping[str, Any] = {
     "sharding": None,
     "head_dim": None,
     "split_rows": None,
+    "qk_clip_threshold": None,
+    "qk_clip_alpha": 0.5,
 }
 
 #: The group keys whose values decide a group's :class:`DecidedGroup`; a group whose values
@@ -88,6 +92,8 @@ _DECIDING_KEYS = (
     "sharding",
     "head_dim",
     "split_rows",
+    "qk_clip_threshold",
+    "qk_clip_alpha",
 )
 
 # What Muon keeps beyond torch's Optimizer state: carried by copies and pickles.
@@ -218,6 +224,15 @@ class Muon(MatrixOptimizer):
             into independent blocks; a group's ``head_dim`` then applies
             inside each. (A group's ``head_dim`` alone splits its params
             into heads.)
+        qk_clip_threshold: QK-clip (MuonClip): after each step, every
+            attention head whose largest pre-softmax logit ``S`` over the
+            step passed this ``tau`` has its ``W_q`` rows scaled by
+            ``(tau / S) ** qk_clip_alpha`` and its ``W_k`` rows by
+            ``(tau / S) ** (1 - qk_clip_alpha)``, on each rank's shards.
+            The logits come from the layers
+            :func:`hyper_parallel.qk_clip.track` tracks; the step's figures
+            are :attr:`qk_clip_stats`. ``None``: off.
+        qk_clip_alpha: The share of the clip ``W_q`` takes, in [0, 1].
 
     Raises:
         ValueError: a param with fewer than 2 dims or complex, an
@@ -266,6 +281,8 @@ class Muon(MatrixOptimizer):
         matrix_view: str = "auto",
         sharding: str | None = None,
         split_rows: Sequence[int] | None = None,
+        qk_clip_threshold: float | None = None,
+        qk_clip_alpha: float = 0.5,
     ) -> None:
         check_head_wise(head_wise, head_dim, head_wise_patterns, (reshape_fn, ns_transform_fn))
         defaults: dict[str, Any] = {
@@ -288,6 +305,8 @@ class Muon(MatrixOptimizer):
             "sharding": sharding,
             "head_dim": None,
             "split_rows": split_rows,
+            "qk_clip_threshold": qk_clip_threshold,
+            "qk_clip_alpha": qk_clip_alpha,
         }
         if lr is None:
             defaults["lr"] = TORCH_LR if follows_torch(defaults) else HYPER_PARALLEL_LR
@@ -305,6 +324,9 @@ class Muon(MatrixOptimizer):
         self.env_ns_dtype: torch.dtype | None = None
         #: each group's decided record (by id), with what it was worked out from
         self._decided: dict[int, tuple[tuple[Any, ...], DecidedGroup]] = {}
+        #: What the last step's QK-clip saw and did (``None`` before one, or with it off)
+        self.qk_clip_stats: QKClipStats | None = None
+        self._qk_plan: tuple[tuple[Any, ...], ClipPlan | None] | None = None
         super().__init__(params, defaults, replica_group_size=self.hsdp_replica_count)
         if head_wise:
             check_head_wise_selects(self.param_groups, head_wise_patterns)
@@ -354,6 +376,7 @@ class Muon(MatrixOptimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._decided = {}  # by group id, which a copy does not keep
+        self.qk_clip_stats, self._qk_plan = None, None
 
     def settings(self, group: Mapping[str, Any]) -> MuonSettings:
         """What ``group``'s options decide, worked out when they last changed (never per step)."""
@@ -440,6 +463,32 @@ class Muon(MatrixOptimizer):
             apply_updates_(local_params, updates, options)
         if self.post_update_fn is not None:
             self._post_update(params, local_params, group, decided, options.lr)
+
+    def _finish_step(self) -> None:
+        """QK-clip, where a group sets ``qk_clip_threshold``: planned when the groups or the
+        tracked layers change, run after every group has stepped."""
+        decided = tuple(self.decided(group) for group in self.param_groups)
+        deciding = (tracking.generation, *map(id, decided))  # the records stay alive in the key
+        kept = self._qk_plan
+        if kept is None or kept[0][: len(deciding)] != deciding:
+            kept = self._qk_plan = ((*deciding, *decided), self._plan_qk_clip(decided))
+        if kept[1] is not None:
+            self.qk_clip_stats = kept[1].clip_()
+
+    def _plan_qk_clip(self, decided: Sequence[DecidedGroup]) -> ClipPlan | None:
+        if all(d.settings.qk_clip_threshold is None for d in decided):
+            return None
+        return plan_clip(
+            [
+                ClipGroup(
+                    group["params"],
+                    param_names(group),
+                    d.settings.qk_clip_threshold,
+                    d.settings.qk_clip_alpha,
+                )
+                for group, d in zip(self.param_groups, decided, strict=True)
+            ]
+        )
 
     def _post_update(
         self,

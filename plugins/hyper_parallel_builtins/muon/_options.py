@@ -148,6 +148,10 @@ def resolve_settings(
         group_ns_dtype=group["ns_dtype"],
         env_ns_dtype=env_dtype,
         cpu_ns_dtype=torch.bfloat16 if cpu_has_native_bf16() else torch.float32,
+        qk_clip_threshold=(
+            None if group["qk_clip_threshold"] is None else float(group["qk_clip_threshold"])
+        ),
+        qk_clip_alpha=float(group["qk_clip_alpha"]),
     )
 
 
@@ -318,6 +322,22 @@ def _check_choice(name: str, value: object, choices: Sequence[str], none_ok: boo
     )
 
 
+def _check_qk_clip(threshold: object, alpha: object) -> None:
+    """``qk_clip_threshold``: ``None`` or a finite number > 0; ``qk_clip_alpha`` in [0, 1]."""
+    if threshold is not None and not (
+        _is_real(threshold) and math.isfinite(float(threshold)) and float(threshold) > 0  # type: ignore[arg-type]
+    ):
+        raise HyperParallelValueError(
+            f"qk_clip_threshold should be None (off) or a finite number > 0 (the largest "
+            f"attention logit a head may keep, e.g. 100), got {threshold!r}."
+        )
+    if not _is_real(alpha) or not 0 <= float(alpha) <= 1:  # type: ignore[arg-type]
+        raise HyperParallelValueError(
+            f"qk_clip_alpha should be a number in [0, 1] (the share of the clip W_q takes; "
+            f"W_k takes the rest), got {alpha!r}."
+        )
+
+
 def check_options(options: dict[str, Any]) -> None:
     """Raise ``ValueError`` for an out-of-range or unknown option of Muon or one of its groups.
 
@@ -358,6 +378,7 @@ def check_options(options: dict[str, Any]) -> None:
             f"sharding should be a backend name or None, got {sharding!r}."
         )
     check_blocks(options)
+    _check_qk_clip(options["qk_clip_threshold"], options["qk_clip_alpha"])
     _check_choice("matrix_view", options["matrix_view"], MATRIX_VIEWS, none_ok=False)
 
 

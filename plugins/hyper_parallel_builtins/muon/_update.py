@@ -97,6 +97,8 @@ class MuonSettings:
     group_ns_dtype: torch.dtype | None  # the group's ns_dtype
     env_ns_dtype: torch.dtype | None  # what $HYPER_PARALLEL_NS_DTYPE named when the group was added
     cpu_ns_dtype: torch.dtype  # a CPU's default: bf16 where it multiplies bf16 natively, else fp32
+    qk_clip_threshold: float | None = None  # QK-clip's tau; None: the group does not clip
+    qk_clip_alpha: float = 0.5  # the share of the clip W_q takes (W_k takes the rest)
 
     def scale(self, rows: int, cols: int, lr: float) -> float:
         """The factor on a ``(rows, cols)`` matrix's orthogonalized update (a head block: its own)."""
