@@ -109,15 +109,10 @@ class ClipPlan:
         factors = [_Factors.of(entry, s) for entry, s in zip(self.layers, per_layer, strict=True)]
         for scaled in self.tensors:
             _scale_rows_(scaled, factors, self.layers)
-        thresholds = torch.cat(
-            [
-                torch.full_like(s, entry.threshold)
-                for entry, s in zip(self.layers, per_layer, strict=True)
-            ]
-        )
         after = maxima * torch.cat([f.logit for f in factors])
+        clipped = torch.stack([f.clipped for f in factors]).sum()
         before_, after_, clipped = torch.stack(
-            [maxima.max(), after.max(), (maxima > thresholds).sum().float()]
+            [maxima.max(), after.max(), clipped.float()]
         ).tolist()
         return QKClipStats(before_, after_, int(clipped), maxima.numel())
 
@@ -140,6 +135,7 @@ class _Factors:
     query: Tensor
     key: Tensor
     logit: Tensor
+    clipped: Tensor  # how many of the layer's query heads passed the threshold (0-d)
 
     @classmethod
     def of(cls, entry: _LayerClip, maxima: Tensor) -> _Factors:
@@ -148,7 +144,8 @@ class _Factors:
         gamma = torch.where(over, entry.threshold / maxima, torch.ones_like(maxima))
         shared = gamma.view(layout.kv_heads, -1).amin(dim=1)  # a key head: its heads' smallest
         query, key = gamma.pow(entry.alpha), shared.pow(1.0 - entry.alpha)
-        return cls(query, key, query * key.repeat_interleave(layout.num_heads // layout.kv_heads))
+        logit = query * key.repeat_interleave(layout.num_heads // layout.kv_heads)
+        return cls(query, key, logit, over.sum())
 
     def of_role(self, role: _Role) -> Tensor:
         return self.query if role is _Role.QUERY else self.key
@@ -171,57 +168,65 @@ def _scale_rows_(
 # -- the plan --------------------------------------------------------------------------
 
 
-def _find(
-    tensor: Tensor, path: str, layer: QKLayer, groups: Sequence[ClipGroup]
-) -> tuple[ClipGroup, Tensor, bool] | None:
-    """The group stepping ``tensor`` (by identity, else by the param's name), the tensor it
-    steps, and whether that is ``tensor`` itself."""
-    name = f"{layer.name}.{path}" if layer.name else path
-    for group in groups:
-        for param in group.params:
-            if param is tensor:
-                return group, param, True
-    for group in groups:
-        for param, param_name in zip(group.params, group.names, strict=True):
-            if param_name is not None and param_name == name:
-                return group, param, False
-    return None
+@dataclass(frozen=True)
+class _Stepped:
+    """A tensor an optimizer group steps, and whether it is the model's param itself."""
+
+    group: ClipGroup
+    tensor: Tensor
+    itself: bool
+
+
+class _Index:
+    """The optimizer's stepped tensors by identity and by param name (fp32 main copies)."""
+
+    def __init__(self, groups: Sequence[ClipGroup]) -> None:
+        self.by_id = {id(p): (g, p) for g in groups for p in g.params}
+        self.by_name = {n: (g, p) for g in groups for p, n in zip(g.params, g.names, strict=True)
+                        if n is not None}  # fmt: skip
+
+    def find(self, layer: QKLayer, path: str) -> _Stepped | None:
+        hit = self.by_id.get(id(layer.tensor(path)))
+        if hit is not None:
+            return _Stepped(hit[0], hit[1], True)
+        hit = self.by_name.get(f"{layer.name}.{path}" if layer.name else path)
+        return None if hit is None else _Stepped(hit[0], hit[1], False)
 
 
 def _layer_entry(
-    layer: QKLayer, groups: Sequence[ClipGroup]
+    layer: QKLayer, index: _Index
 ) -> tuple[_LayerClip, list[tuple[Tensor, _Role, int]]] | None:
     """The layer's clip options and ``(tensor, role, first_row)`` to scale, if this optimizer clips it."""
     layout = layer.layout
-    found_q = _find(layer.tensor(layout.query), layout.query, layer, groups)
-    if found_q is None or found_q[0].threshold is None:
+    query = index.find(layer, layout.query)
+    if query is None or query.group.threshold is None:
         return None
-    group_q, query, itself = found_q
-    found_k = _find(layer.tensor(layout.key), layout.key, layer, groups)
-    if found_k is None or (found_k[0].threshold, found_k[0].alpha) != (
-        group_q.threshold,
-        group_q.alpha,
-    ):
+    options = (query.group.threshold, query.group.alpha)
+    key = index.find(layer, layout.key)
+    if key is None or (key.group.threshold, key.group.alpha) != options:
+        where = "not stepped by this optimizer" if key is None else "in a group with other options"
         raise HyperParallelValueError(
             f"QK-clip layer {layer.name!r}: W_q ({layout.query!r}) is clipped with "
-            f"qk_clip_threshold={group_q.threshold}, qk_clip_alpha={group_q.alpha}, but W_k "
-            f"({layout.key!r}) is {'not stepped by this optimizer' if found_k is None else 'in a group with other QK-clip options'}; "
-            "give both to one Muon with the same qk_clip_threshold and qk_clip_alpha."
+            f"qk_clip_threshold={options[0]}, qk_clip_alpha={options[1]}, but W_k "
+            f"({layout.key!r}) is {where}; give both to one Muon with the same "
+            "qk_clip_threshold and qk_clip_alpha."
         )
-    targets = [(query, _Role.QUERY, layout.query_row), (found_k[1], _Role.KEY, layout.key_row)]
+    targets = [
+        (query.tensor, _Role.QUERY, layout.query_row),
+        (key.tensor, _Role.KEY, layout.key_row),
+    ]
     for path, role, first_row in ((layout.query_bias, _Role.QUERY, layout.query_row),
                                   (layout.key_bias, _Role.KEY, layout.key_row)):  # fmt: skip
         if path is None:
             continue
-        if not itself:
+        if not query.itself:
             raise HyperParallelValueError(
                 f"QK-clip layer {layer.name!r} has a {role.value} bias ({path!r}), and the "
                 "optimizer steps fp32 main copies of its params, whose biases it cannot reach; "
                 "clip it without fp32_main_params, or with a model without q/k biases."
             )
         targets.append((layer.tensor(path), role, first_row))
-    assert group_q.threshold is not None
-    return _LayerClip(layer, group_q.threshold, group_q.alpha), targets
+    return _LayerClip(layer, options[0], options[1]), targets
 
 
 def plan_clip(groups: Sequence[ClipGroup]) -> ClipPlan | None:
@@ -236,10 +241,11 @@ def plan_clip(groups: Sequence[ClipGroup]) -> ClipPlan | None:
     """
     if all(group.threshold is None for group in groups):
         return None
+    index = _Index(groups)
     layers: list[_LayerClip] = []
     by_tensor: dict[int, tuple[Tensor, list[_Stretch]]] = {}
     for layer in tracked_layers():
-        entry = _layer_entry(layer, groups)
+        entry = _layer_entry(layer, index)
         if entry is None:
             continue
         clip, targets = entry

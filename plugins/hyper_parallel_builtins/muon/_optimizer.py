@@ -15,8 +15,7 @@ from hyper_parallel.core.distributed.toolkit import local_tensor
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer import MatrixOptimizer
 from hyper_parallel.core.plugin import RegisterFn
-from hyper_parallel.qk_clip._clip import ClipGroup, ClipPlan, QKClipStats, plan_clip
-from hyper_parallel.qk_clip._layers import tracking
+from hyper_parallel.qk_clip import ClipGroup, ClipPlan, QKClipStats, plan_clip, tracking
 from hyper_parallel_builtins.muon._extensions import (
     MomentumUpdateFn,
     MuonPostUpdateContext,
