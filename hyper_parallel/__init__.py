@@ -59,6 +59,8 @@ _LAZY: dict[str, str] = {
     "hsdp_mesh": "hyper_parallel.core.distributed._mesh",
     "init_device_mesh": "hyper_parallel.core.distributed._mesh",
 }
+#: Subpackages reachable as attributes without their own import.
+_SUBPACKAGES = frozenset({"checkpoint", "qk_clip"})
 
 __version__ = "0.1.0"
 
@@ -105,6 +107,8 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _SUBPACKAGES:  # `hyper_parallel.qk_clip.track(model)` after `import hyper_parallel`
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
