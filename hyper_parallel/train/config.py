@@ -27,6 +27,7 @@ __all__ = [
     "TrainError",
     "config_fields",
     "optimizers_train_cannot_use",
+    "uses_muon",
 ]
 
 #: The default optimizer: Muon for hidden matrices, AdamW for the rest.
@@ -121,6 +122,27 @@ class TrainConfig:
     weight_decay: float = field(
         default=0.0,
         metadata=_option("each optimizer's weight decay (default: %(default)s)", recorded=True),
+    )
+    qk_clip_threshold: float | None = field(
+        default=None,
+        metadata=_option(
+            "QK-clip (MuonClip): after each Muon step, every attention head whose largest "
+            "logit exceeded T has its query and key rows scaled down to bring it to T; "
+            "metrics.jsonl and the summary show the largest logit before and after and the "
+            "heads clipped. --optimizer must have Muon; a --compare baseline without it does "
+            "not clip (default: off)",
+            metavar="T",
+            recorded=True,
+        ),
+    )
+    qk_clip_alpha: float = field(
+        default=0.5,
+        metadata=_option(
+            "the share of --qk-clip-threshold's scaling the query rows take, in [0, 1]; the "
+            "key rows take the rest (default: %(default)s)",
+            metavar="A",
+            recorded=True,
+        ),
     )
     batch_size: int = field(
         default=32,
@@ -231,6 +253,16 @@ class TrainConfig:
         ),
     )
 
+    def muon_qk_clip(self, name: str) -> dict[str, float]:
+        """Muon's QK-clip options for run ``name``: empty where that run does not clip.
+
+        Only a run whose optimizer has Muon (:func:`uses_muon`) clips; a
+        ``--compare`` baseline without Muon trains as it would without the flag.
+        """
+        if self.qk_clip_threshold is None or not uses_muon(name):
+            return {}
+        return {"qk_clip_threshold": self.qk_clip_threshold, "qk_clip_alpha": self.qk_clip_alpha}
+
     @property
     def warmup(self) -> int:
         """The warmup steps in effect: ``--warmup-steps``, else 5% of ``--steps`` (at least 1)."""
@@ -272,6 +304,21 @@ class TrainConfig:
             raise TrainError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.dim % self.heads:
             raise TrainError(f"--dim ({self.dim}) must be divisible by --heads ({self.heads})")
+        self._check_qk_clip()
+
+    def _check_qk_clip(self) -> None:
+        threshold, alpha = self.qk_clip_threshold, self.qk_clip_alpha
+        if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
+            raise TrainError(
+                f"--qk-clip-threshold must be a positive number (the largest attention logit "
+                f"allowed), got {threshold}"
+            )
+        if not 0.0 <= alpha <= 1.0:  # NaN fails too
+            raise TrainError(f"--qk-clip-alpha must be between 0 and 1, got {alpha}")
+        if threshold is None and alpha != 0.5:
+            raise TrainError(
+                f"--qk-clip-alpha {alpha} does nothing without --qk-clip-threshold T; give both"
+            )
 
     def _check_plugin_names(self) -> None:
         registry = get_registry()
@@ -292,6 +339,12 @@ class TrainConfig:
                         "without a closure on dense gradients of every param; choose another "
                         "(hyper-parallel plugins marks which train can use)"
                     )
+        if self.qk_clip_threshold is not None and not uses_muon(self.optimizer):
+            raise TrainError(
+                f"--qk-clip-threshold: --optimizer {self.optimizer} has no Muon, and QK-clip "
+                f"runs after Muon's step; use --optimizer {MUON_ADAMW} (the default) or muon, "
+                "or drop --qk-clip-threshold"
+            )
         for flag, kind, name in (
             ("--partitioner", PluginKind.PARTITIONER, self.partitioner),
             ("--scheduler", PluginKind.LR_SCHEDULER, self.scheduler),
@@ -300,6 +353,13 @@ class TrainConfig:
                 registry.get(kind, name)
             except HyperParallelError as exc:
                 raise TrainError(f"{flag}: {exc}") from None
+
+
+def uses_muon(name: str) -> bool:
+    """Whether run ``name`` (``muon+adamw``, or a registered optimizer's name) steps with Muon."""
+    if name == MUON_ADAMW:
+        return True
+    return get_registry().get(PluginKind.OPTIMIZER, name).name == "muon"
 
 
 def _unusable(entry: Any) -> str | None:

@@ -26,6 +26,7 @@ from hyper_parallel.train.preflight import (
     run_folders_locked,
     run_names,
 )
+from hyper_parallel.train.qk_log import summary_text
 from hyper_parallel.train.run import Metrics, RunResult, replace_atomically, run_one
 from hyper_parallel.train.threads import Threads, resumed_threads, torch_threads
 
@@ -89,6 +90,7 @@ def _summary(config: TrainConfig, data: TokenizedText, results: list[RunResult])
             "resumed_from_step": r.resumed_from,
             "label": r.label,
             "optimizers": r.optimizers,
+            "qk_clip": r.qk_clip.summary() if r.qk_clip is not None else None,
         }
         for r in results
     }
@@ -133,10 +135,11 @@ def _run_line(label: str, run: dict[str, Any]) -> str:
     at = f" (at step {run['final_val_step']})" if run["final_val_step"] != run["steps"] else ""
     since = run.get("resumed_from_step", 0)
     ran = f" ({run['steps'] - since} since step {since})" if since else ""
+    clip = f"; {summary_text(run['qk_clip'])}" if run.get("qk_clip") else ""
     return (
         f"{label:>14}: {run['steps']} steps{ran} in {run['seconds']:.0f} s, "
         f"{run['tokens_per_s']:,} tok/s, train loss {run['final_train_loss']:.4f}, "
-        f"val loss {val:.4f}{at}{flag}"
+        f"val loss {val:.4f}{at}{clip}{flag}"
     )
 
 

@@ -31,6 +31,7 @@ from hyper_parallel.train.divergence import DivergenceWatch
 from hyper_parallel.train.model import GPTConfig, TinyGPT
 from hyper_parallel.train.placement import Placement
 from hyper_parallel.train.preflight import resume_record, run_folder
+from hyper_parallel.train.qk_log import QKClipFigures, track_for_clip
 
 if TYPE_CHECKING:
     from hyper_parallel.checkpoint import CheckpointManager, Preemption
@@ -67,6 +68,7 @@ class RunResult:
     skipped: list[int] = field(default_factory=list)  # steps skipped for non-finite gradients
     resumed_from: int = 0  # the checkpoint's step; seconds and tokens_per_s count from there
     optimizers: list[str] = field(default_factory=list)  # the sub-optimizers, in step order
+    qk_clip: QKClipFigures | None = None  # with --qk-clip-threshold, where Muon clips
 
     @property
     def label(self) -> str:
@@ -108,11 +110,12 @@ def build_optimizer(config: TrainConfig, name: str, model: torch.nn.Module) -> C
     weight decay, and the rest (norms, biases) without; a matrix-only one
     (Muon, Sinkhorn) leaves the rest to AdamW at ``--lr``.
     """
+    clip = config.muon_qk_clip(name)  # Muon's QK-clip options, where this run clips
     if name == MUON_ADAMW:
         return get_hyper_optimizer(
             model,
             partitioner=config.partitioner,
-            muon_kwargs={"lr": config.muon_lr, "weight_decay": config.weight_decay},
+            muon_kwargs={"lr": config.muon_lr, "weight_decay": config.weight_decay, **clip},
             adamw_kwargs={"lr": config.lr, "weight_decay": config.weight_decay},
         )
     entry = get_registry().get(PluginKind.OPTIMIZER, name)
@@ -122,7 +125,7 @@ def build_optimizer(config: TrainConfig, name: str, model: torch.nn.Module) -> C
     vectors = [p for p in params if p.ndim < 2]
     decayed = {"params": matrices, "weight_decay": config.weight_decay}
     undecayed = {"params": vectors, "weight_decay": 0.0}
-    optimizers: dict[str, dict[str, Any]] = {entry.name: {"params": [decayed], "lr": lr}}
+    optimizers: dict[str, dict[str, Any]] = {entry.name: {"params": [decayed], "lr": lr, **clip}}
     if vectors and isinstance(entry, OptimizerEntry) and entry.matrix_only:
         # Norms and biases go to AdamW, said here rather than warned about by the factory.
         optimizers["adamw"] = {"params": [undecayed], "lr": config.lr}
@@ -273,6 +276,7 @@ class _Run:
         model = _build_model(config, data.vocab_size)
         if placement.backend is not None:
             placement.backend.shard_model(model, mesh=placement.mesh)
+        track_for_clip(model, config.muon_qk_clip(name))
         optimizer = build_optimizer(config, name, model)
         scheduler = _build_scheduler(config, optimizer)
         train_batches, val_batches = _batches(config, data, placement)
@@ -282,8 +286,10 @@ class _Run:
             done = _resume(
                 checkpoints, model, optimizer, scheduler, train_batches, placement.rank == 0
             )
-        result = RunResult.resumed(name, done, metrics.resume(name, done) if config.resume else [])
+        rows = metrics.resume(name, done) if config.resume else []
+        result = RunResult.resumed(name, done, rows)
         result.optimizers = list(optimizer.optimizers)
+        result.qk_clip = QKClipFigures.of(config.muon_qk_clip(name), rows)
         bar = (
             progress_factory(total=config.steps, initial=done, desc=result.label)
             if progress_factory
@@ -381,9 +387,10 @@ class _Run:
         self.result.steps_done = step
         self.throughput.count_step()
         self._watch(step, loss)
+        clipped = self.result.qk_clip.count(self.optimizer) if self.result.qk_clip else {}
         last = step == config.steps
         if step % config.log_every == 0 or last or step == 1:  # step 1: the loss it starts from
-            self._log(step, loss, lrs)
+            self._log(step, loss, lrs, clipped)
         if step % config.eval_every == 0 or last:
             self.evaluate(step)
         every = config.checkpoint_every
@@ -411,7 +418,9 @@ class _Run:
             ) from None
         self.saved_at = step
 
-    def _log(self, step: int, loss: float, lrs: dict[str, float]) -> None:
+    def _log(
+        self, step: int, loss: float, lrs: dict[str, float], clipped: dict[str, float | int]
+    ) -> None:
         tps = self.throughput.window()
         self.result.logged_train_losses.append((step, loss))
         self.metrics.write(
@@ -421,6 +430,7 @@ class _Run:
                 "train_loss": loss,
                 "lr": lrs,
                 "tokens_per_s": round(tps),
+                **clipped,
             }
         )
         if self.bar is not None:
