@@ -178,12 +178,15 @@ class _Stepped:
 
 
 class _Index:
-    """The optimizer's stepped tensors by identity and by param name (fp32 main copies)."""
+    """The optimizer's stepped tensors by identity, and by param name those that are no tracked
+    layer's own param (fp32 main copies): a twin model's layer of the same name is not ours."""
 
-    def __init__(self, groups: Sequence[ClipGroup]) -> None:
+    def __init__(self, groups: Sequence[ClipGroup], layers: Sequence[QKLayer]) -> None:
+        own = {id(layer.tensor(path)) for layer in layers
+               for path in (layer.layout.query, layer.layout.key)}  # fmt: skip
         self.by_id = {id(p): (g, p) for g in groups for p in g.params}
         self.by_name = {n: (g, p) for g in groups for p, n in zip(g.params, g.names, strict=True)
-                        if n is not None}  # fmt: skip
+                        if n is not None and id(p) not in own}  # fmt: skip
 
     def find(self, layer: QKLayer, path: str) -> _Stepped | None:
         hit = self.by_id.get(id(layer.tensor(path)))
@@ -241,10 +244,11 @@ def plan_clip(groups: Sequence[ClipGroup]) -> ClipPlan | None:
     """
     if all(group.threshold is None for group in groups):
         return None
-    index = _Index(groups)
+    tracked = tracked_layers()
+    index = _Index(groups, tracked)
     layers: list[_LayerClip] = []
     by_tensor: dict[int, tuple[Tensor, list[_Stretch]]] = {}
-    for layer in tracked_layers():
+    for layer in tracked:
         entry = _layer_entry(layer, index)
         if entry is None:
             continue
