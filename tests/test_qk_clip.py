@@ -484,12 +484,6 @@ def test_a_bad_option_in_an_added_group_changes_nothing() -> None:
     assert len(muon.param_groups) == 1 and muon.param_groups[0]["qk_clip_alpha"] == 0.5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Muon re-decides an edited group without checking qk_clip_threshold/qk_clip_alpha "
-    "(resolve_settings should run the options' check, as ns_steps gets); a threshold of -1 "
-    "makes each head's gamma negative and the clip writes NaN into W_q/W_k",
-)
 def test_a_bad_option_edited_into_a_group_fails_the_step_before_any_change() -> None:
     model = tiny()
     track(model)
@@ -522,20 +516,47 @@ def test_qk_norm_is_refused_naming_the_norm_and_nothing_is_tracked() -> None:
     assert tracked_layers() == [] and model.config._attn_implementation == "sdpa"
 
 
-def test_a_threshold_with_nothing_tracked_fails_at_the_step_naming_track() -> None:
+def _weights(model: nn.Module) -> list[Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _unchanged(model: nn.Module, before: list[Tensor]) -> bool:
+    return all(torch.equal(p, w) for p, w in zip(model.parameters(), before, strict=True))
+
+
+def test_a_threshold_with_nothing_tracked_fails_at_the_step_naming_track_before_any_change() -> (
+    None
+):
     model = tiny()
     optimizer = get_hyper_optimizer(model, muon={"qk_clip_threshold": 1.0}, adamw={})
+    before = _weights(model)
     with pytest.raises(HyperParallelValueError, match=r"no tracked attention .*qk_clip\.track\("):
         train_step(model, optimizer, batch())
+    assert _unchanged(model, before)
 
 
-def test_a_step_with_no_training_forward_recorded_names_the_layer() -> None:
+def test_a_step_with_no_training_forward_recorded_names_the_layer_before_any_change() -> None:
     model = tiny()
     track(model)
     optimizer = get_hyper_optimizer(model, muon={"qk_clip_threshold": 1.0}, adamw={})
     model.eval()  # eval-mode forwards do not record
+    before = _weights(model)
     with pytest.raises(HyperParallelValueError, match=r"'model\.layers\.0\.self_attn' recorded no"):
         train_step(model, optimizer, batch())
+    assert _unchanged(model, before)
+
+
+def test_a_tracked_twin_with_the_same_layer_names_is_not_clipped_by_this_optimizer() -> None:
+    model = tiny(boost=(8.0,))
+    twin = copy.deepcopy(model)
+    track(model)
+    track(twin)  # same names, its own params: no forward of it before model's step
+    optimizer = get_hyper_optimizer(model, muon={"qk_clip_threshold": 1.0}, adamw={})
+    twin_before = _weights(twin)
+    train_step(model, optimizer, batch())
+    stats = muon_of(optimizer).qk_clip_stats
+    assert stats is not None and stats.heads == 4 * len(attention_layers(model))
+    assert _unchanged(twin, twin_before)
 
 
 # -- tracking off costs nothing -----------------------------------------------------------------

@@ -101,8 +101,11 @@ class ClipPlan:
 
     @torch.no_grad()
     def clip_(self) -> QKClipStats:
-        """Read the layers' maxima, reduce them over the ranks, scale the heads over threshold."""
-        maxima = torch.cat([self._maxima(entry.layer) for entry in self.layers])
+        """Read the layers' maxima, reduce them over the ranks, scale the heads over threshold.
+
+        :meth:`check_ready` first: every layer has maxima.
+        """
+        maxima = torch.cat([entry.layer.take_maxima() for entry in self.layers])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         per_layer = maxima.split([entry.layer.layout.num_heads for entry in self.layers])
@@ -116,16 +119,16 @@ class ClipPlan:
         ).tolist()
         return QKClipStats(before_, after_, int(clipped), maxima.numel())
 
-    @staticmethod
-    def _maxima(layer: QKLayer) -> Tensor:
-        maxima = layer.take_maxima()
-        if maxima is None:
-            raise HyperParallelValueError(
-                f"QK-clip: attention layer {layer.name!r} recorded no logits since the last step; "
-                "run the tracked model's forward pass in training mode (model.train()) before "
-                "optimizer.step(), or unset qk_clip_threshold."
-            )
-        return maxima
+    def check_ready(self) -> None:
+        """Raise, before the step changes anything, for a layer that recorded no logits since
+        the last step."""
+        for entry in self.layers:
+            if not entry.layer.has_maxima:
+                raise HyperParallelValueError(
+                    f"QK-clip: attention layer {entry.layer.name!r} recorded no logits since the "
+                    "last step; run the tracked model's forward pass in training mode "
+                    "(model.train()) before optimizer.step(), or unset qk_clip_threshold."
+                )
 
 
 @dataclass(frozen=True)

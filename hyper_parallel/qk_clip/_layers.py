@@ -167,9 +167,20 @@ class QKLayer:
             self._first_heads[heads_here] = first_row // self.layout.head_dim
         return self._first_heads[heads_here]
 
-    def take_maxima(self) -> Tensor | None:
-        """The maxima recorded since the last call (``-inf`` for heads never seen), then forget them."""
+    @property
+    def has_maxima(self) -> bool:
+        """Whether a forward pass reported since the last :meth:`take_maxima`."""
+        return self._maxima is not None
+
+    def take_maxima(self) -> Tensor:
+        """The maxima reported since the last call (``-inf`` for heads never seen); then forgets them.
+
+        Raises:
+            ValueError: nothing was reported.
+        """
         maxima, self._maxima = self._maxima, None
+        if maxima is None:
+            raise HyperParallelValueError(f"QK-clip layer {self.name!r} recorded no logits.")
         return maxima
 
     def __repr__(self) -> str:

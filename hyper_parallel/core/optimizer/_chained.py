@@ -27,6 +27,7 @@ from hyper_parallel.core.optimizer._main_params import (
     warn_main_params_dropped,
     warn_main_params_rebuilt,
 )
+from hyper_parallel.core.optimizer._matrix import check_steps
 
 __all__ = ["MAIN_PARAM_KEY", "OWNER_KEY", "ChainedOptimizer", "NotOneOptimizerError"]
 
@@ -293,6 +294,7 @@ class ChainedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        check_steps(self.optimizers.values())  # what would fail, before any of them changes
         if self.main_params is not None:
             self.main_params.grads_to_mains()
         for opt in self.optimizers.values():

@@ -11,7 +11,7 @@ handle.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, overload
 
 import torch
@@ -163,8 +163,25 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
     def _step_group(self, group: dict[str, Any]) -> None:
         """Update the params of ``group`` that have a gradient (called under ``no_grad``)."""
 
+    def _ready_step(self) -> None:
+        """Raise before a step changes anything, for what spans groups (by default: nothing).
+
+        Called once every group's :meth:`_check_step` passed, before any group steps.
+        """
+
     def _finish_step(self) -> None:
         """Called once every group has stepped, under ``no_grad`` (by default: nothing)."""
+
+    def check_step(self) -> None:
+        """Raise now what the next step would raise before changing anything.
+
+        Every group's :meth:`_check_step`, then :meth:`_ready_step`. A step
+        runs it first; ``ChainedOptimizer`` runs it on each sub-optimizer
+        before any of them steps, so a failing step leaves every param as it was.
+        """
+        for group in self.param_groups:
+            self._check_step(group)
+        self._ready_step()
 
     @overload
     def step(self, closure: None = None) -> None: ...
@@ -192,6 +209,21 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
         return loss
 
 
+def check_steps(optimizers: Iterable[torch.optim.Optimizer]) -> None:
+    """:meth:`MatrixOptimizer.check_step` of each matrix optimizer among ``optimizers``
+    (eager code even inside ``torch.compile``)."""
+    matrix = [opt for opt in optimizers if isinstance(opt, MatrixOptimizer)]
+    if torch.compiler.is_compiling():
+        eager_when_compiled(_check_each, matrix)
+    else:
+        _check_each(matrix)
+
+
+def _check_each(optimizers: list[MatrixOptimizer]) -> None:
+    for opt in optimizers:
+        opt.check_step()
+
+
 @torch.no_grad()
 def _step_groups(optimizer: MatrixOptimizer) -> None:
     """Every group's update; eager code even inside ``torch.compile(optimizer.step)``.
@@ -202,8 +234,7 @@ def _step_groups(optimizer: MatrixOptimizer) -> None:
     than 8 matrix shapes or a changing lr hit Dynamo's recompile limit. The
     rest of a compiled step (AdamW, the chain) still compiles.
     """
-    for group in optimizer.param_groups:  # every group's check before any group changes
-        optimizer._check_step(group)
+    optimizer.check_step()  # every check before any group changes
     for group in optimizer.param_groups:
         optimizer._step_group(group)
     optimizer._finish_step()

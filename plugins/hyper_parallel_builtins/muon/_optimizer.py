@@ -463,16 +463,27 @@ class Muon(MatrixOptimizer):
         if self.post_update_fn is not None:
             self._post_update(params, local_params, group, decided, options.lr)
 
-    def _finish_step(self) -> None:
-        """QK-clip, where a group sets ``qk_clip_threshold``: planned when the groups or the
-        tracked layers change, run after every group has stepped."""
+    def _check_step(self, group: dict[str, Any]) -> None:
+        """Decide ``group`` now if an option was edited since its last step: a bad value fails
+        before any group steps."""
+        self.decided(group)
+
+    def _ready_step(self) -> None:
+        """Plan QK-clip (where a group sets ``qk_clip_threshold``) when the groups or the tracked
+        layers changed; a layer it cannot clip, or one that recorded no logits, fails before
+        any group steps."""
         decided = tuple(self.decided(group) for group in self.param_groups)
         deciding = (tracking.generation, *map(id, decided))  # the records stay alive in the key
-        kept = self._qk_plan
-        if kept is None or kept[0][: len(deciding)] != deciding:
-            kept = self._qk_plan = ((*deciding, *decided), self._plan_qk_clip(decided))
-        if kept[1] is not None:
-            self.qk_clip_stats = kept[1].clip_()
+        if self._qk_plan is None or self._qk_plan[0][: len(deciding)] != deciding:
+            self._qk_plan = ((*deciding, *decided), self._plan_qk_clip(decided))
+        if self._qk_plan[1] is not None:
+            self._qk_plan[1].check_ready()
+
+    def _finish_step(self) -> None:
+        """QK-clip, once every group has stepped, with the plan :meth:`_ready_step` made."""
+        assert self._qk_plan is not None
+        if self._qk_plan[1] is not None:
+            self.qk_clip_stats = self._qk_plan[1].clip_()
 
     def _plan_qk_clip(self, decided: Sequence[DecidedGroup]) -> ClipPlan | None:
         if all(d.settings.qk_clip_threshold is None for d in decided):

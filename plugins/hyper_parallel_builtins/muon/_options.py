@@ -135,6 +135,7 @@ def resolve_settings(
     ``env_dtype`` is what ``$HYPER_PARALLEL_NS_DTYPE`` named (Muon reads it
     when the group is added).
     """
+    _check_qk_clip(group["qk_clip_threshold"], group["qk_clip_alpha"])  # an edited group's too
     eps, eps_added = normalization_of(group)
     rule, rms = _scale_rule(group)
     return MuonSettings(
