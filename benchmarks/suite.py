@@ -54,6 +54,7 @@ from benchmarks.compile import case_compile
 from benchmarks.ns_paths import case_paths
 from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
 from benchmarks.preemption import case_preemption
+from benchmarks.qk_clip import case_qk_clip
 from benchmarks.swap import case_swap
 
 __all__ = ["CASES", "expert_shapes", "main", "plot_label"]
@@ -632,6 +633,7 @@ CASES: dict[str, Callable[[Settings], Iterator[Row]]] = {
     "paths": case_paths,
     "preemption": case_preemption,
     "compile": case_compile,
+    "qk_clip": case_qk_clip,
     "against": case_against,
 }
 

@@ -4,6 +4,7 @@ benchmark modules import each other without a circle."""
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import subprocess
 import sys
@@ -17,7 +18,9 @@ import benchmarks.common as common
 import benchmarks.suite as suite
 from benchmarks.checkpoint import case_checkpoint
 from benchmarks.common import Row, Settings, transformer_shapes
+from benchmarks.qk_clip import Sizes, qk_clip_rows
 from benchmarks.suite import case_distributed, format_table, not_measured_line, plot_label
+from hyper_parallel import qk_clip
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -322,3 +325,38 @@ def _worktrees() -> list[str]:
     listed = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True,
                             text=True, check=True)  # fmt: skip
     return listed.stdout.splitlines()
+
+
+def test_qk_clip_case_times_tracked_forwards_and_the_clipped_step_of_each_model() -> None:
+    tiny = Sizes(
+        train={"dim": 32, "layers": 1, "heads": 2, "batch_size": 2},
+        llama={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+               "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2},
+        llama_batch=2,
+        seq_lens=(8, 16),
+    )  # fmt: skip
+    gc.collect()
+    tracked_before = len(qk_clip.tracked_layers())
+    rows = list(qk_clip_rows(tiny, Settings(repeats=1)))
+    gpt = "TinyGPT (d=32, 1 blocks, 2 heads, sdpa)"
+    llama = "LlamaForCausalLM (d=32, 1 layers, 4 heads / 2 kv, {})"
+    forward, step = (
+        "QK-clip tracking, forward pass, {}, 2 x {} tokens",
+        "QK-clip in optimizer.step(), Muon + AdamW, {}",
+    )
+    assert [r.case for r in rows] == [
+        forward.format(gpt, 8), forward.format(gpt, 16), step.format(gpt),
+        *(forward.format(llama.format(a), seq) for a in ("sdpa", "eager") for seq in (8, 16)),
+        step.format(llama.format("sdpa")),
+    ]  # fmt: skip
+    tracked = ("tracked (qk_clip.track)", "untracked")
+    assert [(r.ours_label, r.peer_label) for r in rows] == [
+        tracked, tracked, ("qk_clip_threshold=100 (1 of 2 heads clipped)", "no qk_clip_threshold"),
+        tracked, tracked, tracked, tracked,
+        ("qk_clip_threshold=100 (2 of 4 heads clipped)", "no qk_clip_threshold"),
+    ]  # fmt: skip
+    assert all(r.unit == "s" and r.ratio is not None and r.ratio > 0 for r in rows)
+    assert {r.command for r in rows} == {"python -m benchmarks --cases qk_clip"}
+    gc.collect()
+    assert len(qk_clip.tracked_layers()) == tracked_before  # the case leaves nothing tracked
+    assert "qk_clip" in suite.CASES and "qk_clip" in suite.DEFAULT_CASES
