@@ -113,6 +113,7 @@ PUBLIC_MODULES = [
     "hyper_parallel.core.optimizer",
     "hyper_parallel.core.options",
     "hyper_parallel.core.plugin",
+    "hyper_parallel.qk_clip",
     "hyper_parallel.testing",
     "hyper_parallel_builtins.fsdp_backend.cost",
 ]

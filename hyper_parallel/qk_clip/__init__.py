@@ -15,7 +15,9 @@ the logits come from:
 
 Examples:
     >>> layers = track(model)  # doctest: +SKIP
-    >>> optimizer = get_hyper_optimizer(model, muon={"qk_clip_threshold": 100.0})  # doctest: +SKIP
+    >>> optimizer = get_hyper_optimizer(  # doctest: +SKIP
+    ...     model, muon={"qk_clip_threshold": 100.0}, adamw={}
+    ... )
 """
 
 from hyper_parallel.qk_clip._clip import ClipGroup, ClipPlan, QKClipStats, plan_clip
