@@ -129,7 +129,8 @@ def _assert_equal_to_one_process(model: nn.Module, reference: nn.Module, label: 
 
 
 _COLLECTIVES = ("all_reduce", "all_to_all_single", "broadcast", "all_gather_into_tensor",
-                "all_gather", "gather", "reduce_scatter_tensor", "send", "recv")  # fmt: skip
+                "all_gather", "all_gather_single", "gather", "reduce_scatter_tensor", "send",
+                "recv")  # fmt: skip
 
 
 @contextmanager
