@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -57,7 +58,7 @@ from benchmarks.preemption import case_preemption
 from benchmarks.qk_clip import case_qk_clip
 from benchmarks.swap import case_swap
 
-__all__ = ["CASES", "expert_shapes", "main", "plot_label"]
+__all__ = ["CASES", "expert_shapes", "main", "plot", "plot_label", "zero_rows_note"]
 
 LR = 0.02
 
@@ -736,14 +737,38 @@ def plot_label(row: Row) -> str:
     return f"{head}: {row.ours_label} vs {row.peer_label}"
 
 
-def plot(rows: Sequence[Row], path: Path) -> None:
-    """A horizontal bar per row with a ratio: ours / peer, with the target marked."""
+def _has_zero(row: Row) -> bool:
+    """Whether both sides of ``row`` have a figure and one of them is 0 (no log ratio)."""
+    return row.ours is not None and row.peer is not None and 0 in (row.ours, row.peer)
+
+
+def zero_rows_note(rows: Sequence[Row]) -> str | None:
+    """The chart's line naming the rows it leaves out because a figure is 0; ``None`` if none.
+
+    A ratio of 0 (ours 0, e.g. no page faults per step) or a peer of 0 has no
+    logarithm, so such rows get no bar; their figures are in the table.
+    """
+    zeros = [r for r in rows if _has_zero(r)]
+    if not zeros:
+        return None
+    named = "; ".join(f"{plot_label(r)} ({_fmt(r.ours, r.unit)} vs {_fmt(r.peer, r.unit)})"
+                      for r in zeros)  # fmt: skip
+    return f"Not drawn, a figure of 0 has no log ratio: {named}"
+
+
+def plot(rows: Sequence[Row], path: Path) -> str | None:
+    """A horizontal bar per row with a ratio: ours / peer, with the target marked.
+
+    Rows with a figure of 0 are left out and named under the chart; returns
+    that note (:func:`zero_rows_note`), ``None`` if every row was drawn.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in rows if r.ratio is not None]
+    shown = [r for r in rows if r.ratio is not None and not _has_zero(r)]
+    note = zero_rows_note(rows)
     fig, ax = plt.subplots(figsize=(13, 0.38 * len(shown) + 1.5))
     labels = [plot_label(r) for r in shown]
     labels = [label if len(label) <= 95 else label[:92] + "..." for label in labels]
@@ -761,9 +786,19 @@ def plot(rows: Sequence[Row], path: Path) -> None:
         "green: target met, red: not met, grey: no target"
     )
     ax.set_title("hyper_parallel against its peers, one run")
+    if note is not None:
+        ax.annotate(textwrap.fill(note, 180), (0, 0), xycoords="figure fraction",
+                    xytext=(4, -4), textcoords="offset points", va="top", fontsize=7)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    return note
+
+
+def _plot_and_say(rows: Sequence[Row], path: Path) -> None:
+    """:func:`plot` the rows to ``path``, and print the rows it leaves out (a figure of 0)."""
+    if (note := plot(rows, path)) is not None:
+        print(note, file=sys.stderr)
 
 
 def _from_json(path: Path, plot_path: Path | None) -> int:
@@ -775,7 +810,7 @@ def _from_json(path: Path, plot_path: Path | None) -> int:
     print(format_table(rows))
     _print_footer(rows)
     if plot_path:
-        plot(rows, plot_path)
+        _plot_and_say(rows, plot_path)
     return 0
 
 
@@ -872,5 +907,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             indent=2,
         ))  # fmt: skip
     if args.plot:
-        plot(rows, args.plot)
+        _plot_and_say(rows, args.plot)
     return 0

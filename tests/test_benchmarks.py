@@ -149,6 +149,37 @@ def test_plot_labels_tell_sizes_and_dtypes_apart() -> None:
     )
 
 
+def test_the_chart_leaves_out_rows_with_a_figure_of_0_and_names_them(tmp_path: Path) -> None:
+    what = "Muon step, 56 matrices (8 layers, d=512), cpu"
+    rows = [
+        Row(what + ", defaults", "ours (bf16 NS)", 0.25, "timm (bf16)", 0.3, "s", "<= 1.0"),
+        Row(what + ", minor page faults per step", "ours", 0.0, "timm", 6144.0, "faults"),
+        Row(what + ", memory a step adds at its peak", "ours", 0.0, "timm", 0.0, "MiB"),
+    ]
+    chart = tmp_path / "chart.png"
+    note = suite.plot(rows, chart)  # a ratio of 0 has no log2: this raised before
+    assert chart.stat().st_size > 0
+    assert note is not None and note.startswith("Not drawn, a figure of 0 has no log ratio")
+    assert "page faults" not in note and "Muon step d=512: ours vs timm (0.0 faults vs" in note
+    assert note.count("Muon step d=512: ours vs timm") == 2  # the memory row too
+    assert suite.zero_rows_note(rows[:1]) is None
+
+
+def test_plot_from_json_draws_a_run_with_zero_rows(tmp_path: Path) -> None:
+    saved = tmp_path / "run.json"
+    row = Row("Muon step, d=32, minor page faults per step", "ours", 0.0, "timm", 12.0, "faults")
+    ok = Row("AdamW step, d=32", "ours (AdamW)", 1e-3, "torch AdamW fused", 1e-3, "s", "<= 1.05")
+    saved.write_text(json.dumps({"machine": {"cpu": "test"},
+                                 "rows": [vars(row), vars(ok)]}))  # fmt: skip
+    chart = tmp_path / "chart.png"
+    result = _bench("--from-json", str(saved), "--plot", str(chart))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert chart.exists()
+    assert (
+        "Not drawn, a figure of 0 has no log ratio: Muon step d=32: ours vs timm" in result.stderr
+    )
+
+
 def test_a_step_slower_than_the_figure_budget_is_timed_fewer_times(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
