@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,11 +20,15 @@ from benchmarks.peers import MUON_PEER_NAMES
 
 __all__ = [
     "FIGURE_BUDGET_S",
+    "MUON_LR",
     "ROOT",
     "Row",
     "Settings",
     "case_command",
     "interleaved_medians",
+    "params_with_grads",
+    "short_repeats",
+    "stepper",
     "sync",
     "transformer_shapes",
 ]
@@ -95,6 +99,44 @@ def transformer_shapes(dim: int, layers: int) -> list[tuple[int, int]]:
     """
     hidden = -(-8 * dim // 3 // 32) * 32
     return [(dim, dim)] * 4 * layers + [(hidden, dim), (hidden, dim), (dim, hidden)] * layers
+
+
+#: The learning rate of every Muon the benchmarks step, ours and the peers'.
+MUON_LR = 0.02
+
+
+def params_with_grads(
+    shapes: Sequence[tuple[int, ...]], device: str, seed: int = 0
+) -> list[torch.nn.Parameter]:
+    """Params of ``shapes`` (values 0.02 N(0, 1)), each with a N(0, 1) gradient; the same for a seed."""
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device))
+        p.grad = torch.randn(shape, generator=gen).to(device)
+        params.append(p)
+    return params
+
+
+def stepper(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> Callable[[], None]:
+    """``opt.step`` with the gradients put back first: some optimizers drop them after a step.
+
+    The optimizer is the returned function's ``optimizer`` attribute.
+    """
+    grads = [p.grad for p in params]
+
+    def step() -> None:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        opt.step()
+
+    step.optimizer = opt  # type: ignore[attr-defined]
+    return step
+
+
+def short_repeats(settings: Settings) -> int:
+    """Repeats for a millisecond-scale step: enough that a 3% difference stands out of the noise."""
+    return max(25 * settings.repeats, 40)
 
 
 def sync(device: str) -> None:

@@ -43,15 +43,20 @@ from benchmarks.against import case_against
 from benchmarks.checkpoint import case_checkpoint
 from benchmarks.common import (
     FIGURE_BUDGET_S,
+    MUON_LR,
     ROOT,
     Row,
     Settings,
     case_command,
     interleaved_medians,
+    params_with_grads,
+    short_repeats,
+    stepper,
     sync,
     transformer_shapes,
 )
 from benchmarks.compile import case_compile
+from benchmarks.muon_small import case_muon_small
 from benchmarks.ns_paths import case_paths
 from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
 from benchmarks.preemption import case_preemption
@@ -60,35 +65,7 @@ from benchmarks.swap import case_swap
 
 __all__ = ["CASES", "expert_shapes", "main", "plot", "plot_label", "zero_rows_note"]
 
-LR = 0.02
-
-
 # ---------------------------------------------------------------- helpers
-
-
-def _params(
-    shapes: Sequence[tuple[int, ...]], device: str, seed: int = 0
-) -> list[torch.nn.Parameter]:
-    gen = torch.Generator().manual_seed(seed)
-    params = []
-    for shape in shapes:
-        p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.02).to(device))
-        p.grad = torch.randn(shape, generator=gen).to(device)
-        params.append(p)
-    return params
-
-
-def _stepper(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> Callable[[], None]:
-    """``opt.step`` with the gradients put back first: some optimizers drop them after a step."""
-    grads = [p.grad for p in params]
-
-    def step() -> None:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        opt.step()
-
-    step.optimizer = opt  # type: ignore[attr-defined]
-    return step
 
 
 def _faults_per_step(step: Callable[[], object], steps: int = 2) -> float:
@@ -151,8 +128,8 @@ def _projected_step_seconds(
     """
     total = 0.0
     for shape, count in Counter(shapes).items():
-        params = _params([shape], device)
-        step = _stepper(make(params), params)
+        params = params_with_grads([shape], device)
+        step = stepper(make(params), params)
         step()
         sync(device)
         start = time.perf_counter()
@@ -160,11 +137,6 @@ def _projected_step_seconds(
         sync(device)
         total += count * (time.perf_counter() - start)
     return total
-
-
-def _short_repeats(settings: Settings) -> int:
-    """Repeats for a millisecond-scale step: enough that a 3% difference stands out of the noise."""
-    return max(25 * settings.repeats, 40)
 
 
 # ---------------------------------------------------------------- cases
@@ -194,7 +166,7 @@ def case_muon(settings: Settings) -> Iterator[Row]:
     from hyper_parallel_builtins.muon import Muon, default_ns_dtype
 
     device = settings.device
-    peers = muon_peers(LR, settings.muon_peer_names) if settings.peers else []
+    peers = muon_peers(MUON_LR, settings.muon_peer_names) if settings.peers else []
     default_dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[
         default_ns_dtype(torch.empty(0, device=device))
     ]
@@ -203,8 +175,8 @@ def case_muon(settings: Settings) -> Iterator[Row]:
     for what, shapes, strict in _muon_sets(settings):
         what = f"Muon step, {what}, {device}"
         factories: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
-            "ours": lambda params: Muon(params, lr=LR),
-            "ours_bf16": lambda params: Muon(params, lr=LR, ns_dtype=torch.bfloat16),
+            "ours": lambda params: Muon(params, lr=MUON_LR),
+            "ours_bf16": lambda params: Muon(params, lr=MUON_LR, ns_dtype=torch.bfloat16),
         }
         factories.update({peer.name: peer.make for peer in peers if peer.make is not None})
         steps: dict[str, Callable[[], object]] = {}
@@ -217,8 +189,8 @@ def case_muon(settings: Settings) -> Iterator[Row]:
                     if estimate > FIGURE_BUDGET_S:
                         projected[name] = estimate
                         continue
-                params = _params(shapes, device)  # each its own params: the same values
-                steps[name] = _stepper(make(params), params)
+                params = params_with_grads(shapes, device)  # each its own params: the same values
+                steps[name] = stepper(make(params), params)
             except Exception as exc:  # reported in the table
                 failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:120]
         medians, first = interleaved_medians(steps, settings.repeats, device)
@@ -481,13 +453,13 @@ def case_adamw(settings: Settings) -> Iterator[Row]:
     dim = settings.dims[0]
     shapes = _model_tensors(dim, settings.layers)
     device = settings.device
-    params = _params(shapes, device)
+    params = params_with_grads(shapes, device)
     ours = AdamW(params, lr=1e-3)
     fused = torch.optim.AdamW(params, lr=1e-3, fused=True)
     foreach = torch.optim.AdamW(params, lr=1e-3, foreach=True)
     medians, _ = interleaved_medians(
         {"ours": ours.step, "fused": fused.step, "foreach": foreach.step},
-        _short_repeats(settings), device,
+        short_repeats(settings), device,
     )  # fmt: skip
     what = f"AdamW step, {len(shapes)} tensors (d={dim} x {settings.layers} layers), {device}"
     command = case_command("adamw", settings)
@@ -503,7 +475,7 @@ def case_chained(settings: Settings) -> Iterator[Row]:
 
     dim = settings.dims[0]
     device = settings.device
-    params = _params(_model_tensors(dim, settings.layers), device)
+    params = params_with_grads(_model_tensors(dim, settings.layers), device)
     matrices = [p for p in params if p.ndim == 2]
     vectors = [p for p in params if p.ndim < 2]
     # AdamW on both sides keeps the step short, so the wrapper's own cost shows. Both
@@ -517,7 +489,7 @@ def case_chained(settings: Settings) -> Iterator[Row]:
             opt.step()
 
     medians, _ = interleaved_medians(
-        {"chained": chained.step, "direct": step_directly}, _short_repeats(settings), device
+        {"chained": chained.step, "direct": step_directly}, short_repeats(settings), device
     )
     yield Row(
         f"ChainedOptimizer of 2 AdamWs (d={dim} x {settings.layers} layers), {device}",
@@ -623,6 +595,7 @@ def case_import(settings: Settings) -> Iterator[Row]:
 
 CASES: dict[str, Callable[[Settings], Iterator[Row]]] = {
     "muon": case_muon,
+    "muon_small": case_muon_small,
     "ns": case_ns,
     "gram": case_gram,
     "adamw": case_adamw,

@@ -18,6 +18,7 @@ import benchmarks.common as common
 import benchmarks.suite as suite
 from benchmarks.checkpoint import case_checkpoint
 from benchmarks.common import Row, Settings, transformer_shapes
+from benchmarks.muon_small import case_muon_small
 from benchmarks.qk_clip import Sizes, qk_clip_rows
 from benchmarks.suite import case_distributed, format_table, not_measured_line, plot_label
 from hyper_parallel import qk_clip
@@ -391,3 +392,19 @@ def test_qk_clip_case_times_tracked_forwards_and_the_clipped_step_of_each_model(
     gc.collect()
     assert len(qk_clip.tracked_layers()) == tracked_before  # the case leaves nothing tracked
     assert "qk_clip" in suite.CASES and "qk_clip" in suite.DEFAULT_CASES
+
+
+def test_the_small_shapes_case_steps_ours_against_torch_muon_at_each_thread_count() -> None:
+    threads = torch.get_num_threads()
+    rows = list(case_muon_small(Settings(repeats=1), sets=((32, 2), (64, 1)), threads=(1, 2)))
+    assert torch.get_num_threads() == threads  # put back
+    assert [r.case for r in rows] == [
+        f"Muon step, {n} matrices ({layers} layers, d={dim}), {count}, cpu, defaults"
+        for count in ("1 thread", "2 threads") for dim, layers, n in ((32, 2, 14), (64, 1, 7))
+    ]  # fmt: skip
+    for r in rows:
+        assert r.ours_label.startswith("ours (") and r.peer_label == "torch.optim.Muon (bf16)"
+        assert r.ours > 0 and r.peer > 0 and r.met is not None and r.target == "<= 0.9"
+        assert r.command == "python -m benchmarks --cases muon_small"
+        assert "tuning included" in r.note
+    assert "muon_small" in suite.DEFAULT_CASES
