@@ -454,8 +454,25 @@ def _fsdp_x_tp(rank: int, world_size: int) -> None:
     expected = torch.zeros(heads, dtype=torch.bool)
     expected[tp * heads // 2 : (tp + 1) * heads // 2] = True
     assert torch.equal(computed, expected.expand(2, heads)), (rank, maxima[rank])
+    _hsdp(rank)
 
 
-def test_fsdp_x_tp_clips_like_one_process() -> None:
+def _hsdp(rank: int) -> None:
+    """HSDP, 2 replicas x 2 shards: the shards cut heads, the maxima come from all four ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hyper_parallel import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def shard(model: nn.Module) -> None:
+        fully_shard(model, mesh=mesh)
+
+    llama = functools.partial(_llama, heads=3, kv_heads=1, head_dim=8)
+    replica = mesh.get_local_rank("replicate")  # each replica a half of the batch
+    _check(Case("hsdp 2 x 2", llama, shard, track, _llama_optimizer(), _hf_loss, replica))
+
+
+def test_fsdp_x_tp_and_hsdp_clip_like_one_process() -> None:
     pytest.importorskip("transformers")
     run_distributed(_fsdp_x_tp, world_size=4)
