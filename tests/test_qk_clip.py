@@ -609,3 +609,24 @@ def test_the_built_in_model_gets_its_own_attention_back(recordings: list[int]) -
     assert all(block.attention is DecoderBlock.attention for block in model.layers)
     model.loss(ids)
     assert len(recordings) == 2 and tracked_layers() == []
+
+
+def test_a_swapped_optimizer_clips_once_per_step_as_the_unswapped_one() -> None:
+    """SwapOptimizer steps Muon batch by batch; the clip still runs once, on the whole step."""
+    from hyper_parallel import swap_optimizer
+
+    model = tiny(boost=(8.0, 1.0, 6.0))
+    twin = copy.deepcopy(model)
+    track(model)
+    track(twin)
+    plain = get_hyper_optimizer(model, muon={"qk_clip_threshold": 1.0}, adamw={})
+    swapped = swap_optimizer(
+        get_hyper_optimizer(twin, muon={"qk_clip_threshold": 1.0}, adamw={}),
+        {"swap_times": 3, "min_numel": 1},
+    )
+    for seed in (1, 2):
+        train_step(model, plain, batch(seed))
+        train_step(twin, swapped, batch(seed))
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert muon_of(swapped.optimizer).qk_clip_stats == muon_of(plain).qk_clip_stats

@@ -11,7 +11,8 @@ handle.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, overload
 
 import torch
@@ -52,6 +53,9 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
     (HSDP's ``hsdp_replica_count``) limits the replicas that share the work
     (:meth:`~hyper_parallel.core.distributed.ShardingBackend.group_replicas`).
     """
+
+    #: Set by :meth:`stepping_in_parts` while steps update part of the params each.
+    _in_parts: bool = False
 
     #: Group keys a state_dict from an older version may lack, with their defaults.
     extra_group_defaults: ClassVar[Mapping[str, Any]] = {"sharding": None}
@@ -183,6 +187,24 @@ class MatrixOptimizer(torch.optim.Optimizer, abc.ABC):
             self._check_step(group)
         self._ready_step()
 
+    def finish_step(self) -> None:
+        """What follows a whole step (:meth:`_finish_step`), after steps made in parts."""
+        with torch.no_grad():
+            self._finish_step()
+
+    @contextlib.contextmanager
+    def stepping_in_parts(self) -> Iterator[None]:
+        """Steps inside update part of the params each (``SwapOptimizer``'s batches).
+
+        They skip what spans the whole step: the caller runs :meth:`check_step`
+        once before, on the whole groups, and :meth:`finish_step` once after.
+        """
+        self._in_parts = True
+        try:
+            yield
+        finally:
+            self._in_parts = False
+
     @overload
     def step(self, closure: None = None) -> None: ...
 
@@ -234,10 +256,13 @@ def _step_groups(optimizer: MatrixOptimizer) -> None:
     than 8 matrix shapes or a changing lr hit Dynamo's recompile limit. The
     rest of a compiled step (AdamW, the chain) still compiles.
     """
-    optimizer.check_step()  # every check before any group changes
+    whole = not optimizer._in_parts
+    if whole:
+        optimizer.check_step()  # every check before any group changes
     for group in optimizer.param_groups:
         optimizer._step_group(group)
-    optimizer._finish_step()
+    if whole:
+        optimizer._finish_step()
 
 
 def by_device_and_dtype(tensors: list[Tensor]) -> list[list[int]]:

@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 from hyper_parallel.core.compat import init_optimizer_hooks
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 from hyper_parallel.core.optimizer._main_params import MainParams
+from hyper_parallel.core.optimizer._matrix import MatrixOptimizer, check_steps
 from hyper_parallel.core.optimizer._swap_tier import Slot, Tier, bind, local_bytes, local_of
 
 __all__ = [
@@ -283,6 +284,18 @@ class SwapOptimizer(Optimizer):
         self.peak_resident_bytes = 0
         batches = self._batches()
         before = [[_options(g) for g in opt.param_groups] for opt in self._subs]
+        matrix = [opt for opt in self._subs if isinstance(opt, MatrixOptimizer)]
+        check_steps(matrix)  # the whole step's checks, on the whole groups
+        with contextlib.ExitStack() as in_parts:
+            for opt in matrix:
+                in_parts.enter_context(opt.stepping_in_parts())
+            self._batch_by_batch(batches, before)
+        for opt in matrix:  # what follows the whole step (Muon's QK-clip), on the whole groups
+            opt.finish_step()
+
+    def _batch_by_batch(
+        self, batches: list[list[tuple[int, torch.Tensor]]], before: list[list[dict[str, Any]]]
+    ) -> None:
         with ThreadPoolExecutor(max_workers=1) as reader:
             coming: Future[dict[_Key, torch.Tensor]] | None = None
             if batches:
