@@ -18,9 +18,11 @@ two rules: ``max(||X||, eps)`` (``torch.optim.Muon``) or ``||X|| + eps``
 Exported: the iteration on a matrix, a list or a stack (``newton_schulz``,
 ``newton_schulz_batched``, ``newton_schulz_stack_`` with ``new_stack`` and
 ``stack_into``), a team of ranks' iteration, the coefficient sets, the FLOP
-count and Gram choice, and the :class:`Workspace` that keeps buffers across
-steps: what an optimizer built on the iteration calls. The path tables and
-tuning constants stay in the private modules.
+count and Gram choice, the :class:`Workspace` that keeps buffers (and each
+stack's path) across steps, and the tuning that measures the paths on this
+machine (:func:`tune`, :class:`PathCache`, :data:`TUNING_ENV`): what an
+optimizer built on the iteration calls. The path tables and tuning constants
+stay in the private modules.
 """
 
 from __future__ import annotations
@@ -45,14 +47,42 @@ from hyper_parallel_builtins.newton_schulz._team import (
     newton_schulz_team,
     newton_schulz_team_collectives,
 )
+from hyper_parallel_builtins.newton_schulz._tuning import (
+    CACHE_DIR_ENV,
+    TUNING_ENV,
+    Candidate,
+    PathCache,
+    ShapeReport,
+    ShapeSet,
+    Stack,
+    Tuning,
+    TuningReport,
+    candidates,
+    default_cache_dir,
+    parse_tuning,
+    stacks_of,
+    tune,
+    tuning_from_env,
+)
 from hyper_parallel_builtins.newton_schulz._workspace import Workspace
 
 __all__ = [
+    "CACHE_DIR_ENV",
     "COEFFICIENT_SETS",
     "KELLER_COEFFICIENTS",
+    "TUNING_ENV",
+    "Candidate",
     "CoefficientSpec",
     "Coefficients",
+    "PathCache",
+    "ShapeReport",
+    "ShapeSet",
+    "Stack",
+    "Tuning",
+    "TuningReport",
     "Workspace",
+    "candidates",
+    "default_cache_dir",
     "new_stack",
     "newton_schulz",
     "newton_schulz_batched",
@@ -60,7 +90,11 @@ __all__ = [
     "newton_schulz_stack_",
     "newton_schulz_team",
     "newton_schulz_team_collectives",
+    "parse_tuning",
     "resolve_coefficients",
     "resolve_ns_method",
     "stack_into",
+    "stacks_of",
+    "tune",
+    "tuning_from_env",
 ]

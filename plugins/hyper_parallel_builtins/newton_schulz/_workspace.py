@@ -8,6 +8,10 @@ share of the step on a CPU (measured: docs/benchmarks.md, "Newton-Schulz
 paths by CPU kind" and "What the iteration's constants rest on"). A
 :class:`Workspace` keeps them instead, for as long as the optimizer that
 owns it lives.
+
+A workspace also keeps each stack's path: decided by the table the first time
+a stack of its shape comes (:func:`stack_path`), or measured on this machine
+and handed to :meth:`Workspace.keep_path` (``_tuning``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from hyper_parallel_builtins.newton_schulz._paths import StackPath, stack_path
 __all__ = ["Workspace", "path_of"]
 
 _Key = tuple[str, tuple[int, ...], torch.dtype, torch.device]
+_StackKey = tuple[int, int, torch.dtype, torch.device]
 
 
 class Workspace:
@@ -44,16 +49,35 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[_Key, Tensor] = {}
         self._paths: dict[tuple[str, int, int, torch.dtype, torch.device], StackPath] = {}
+        self._tuned: dict[_StackKey, StackPath] = {}
 
     def path(
         self, method: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device
     ) -> StackPath:
-        """:func:`stack_path`, decided the first time a stack of this shape comes, then kept."""
+        """The path of ``(rows, cols)`` stacks, decided the first time one comes, then kept.
+
+        The one :meth:`keep_path` was given for this shape, dtype and device
+        where ``method`` runs the standard iteration on it; else
+        :func:`stack_path`'s (the table's).
+        """
         key = (method, rows, cols, dtype, device)
         held = self._paths.get(key)
         if held is None:
-            held = self._paths[key] = stack_path(method, rows, cols, dtype, device)
+            held = stack_path(method, rows, cols, dtype, device)
+            if not held.gram:
+                held = self._tuned.get((rows, cols, dtype, torch.device(device)), held)
+            self._paths[key] = held
         return held
+
+    def keep_path(
+        self, rows: int, cols: int, dtype: torch.dtype, device: torch.device, path: StackPath
+    ) -> None:
+        """Run the standard iteration on ``(rows, cols)`` stacks of ``dtype`` on ``device`` by
+        ``path`` from now on (a tuned choice); Gram stacks keep the rule's."""
+        device = torch.device(device)
+        self._tuned[(rows, cols, dtype, device)] = path
+        for key in [k for k in self._paths if k[1:] == (rows, cols, dtype, device)]:
+            del self._paths[key]
 
     def take(
         self, role: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device
@@ -84,7 +108,7 @@ class Workspace:
         return len(self._buffers)
 
     def clear(self) -> None:
-        """Give every buffer back (they are made again when next needed)."""
+        """Give every buffer back (they are made again when next needed); kept paths stay."""
         self._buffers.clear()
         self._paths.clear()
 
@@ -92,7 +116,7 @@ class Workspace:
         return f"Workspace({len(self)} buffers, {self.nbytes / 2**20:.1f} MiB)"
 
     def __getstate__(self) -> dict[str, object]:
-        return {}  # a copy starts empty: buffers are scratch, never state
+        return {}  # a copy starts empty: buffers are scratch, paths are this machine's
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__()  # type: ignore[misc]
