@@ -18,11 +18,17 @@ from hyper_parallel import get_registry
 from hyper_parallel.train.model import DecoderBlock, GPTConfig, TinyGPT
 from hyper_parallel.train.model import RMSNorm as RMSNorm  # for test_layouts
 from hyper_parallel_builtins.muon._options import NS_DTYPE_ENV
+from hyper_parallel_builtins.newton_schulz import TUNING_ENV
 
 # Muon iterates in float32 in every test, and in every process a test starts, unless the
 # test names its ns_dtype: by default a CPU with native bf16 matmul would iterate in
 # bfloat16, and the comparisons with float32 references would hold on some machines only.
 os.environ.setdefault(NS_DTYPE_ENV, "float32")
+
+# Newton-Schulz paths are the table's in every test, and in every process a test starts,
+# unless the test turns tuning on with a cache directory of its own: nothing is measured
+# or written to the user's cache, and every run makes the same numbers.
+os.environ.setdefault(TUNING_ENV, "off")
 
 #: ``hyper-parallel train`` arguments for a model small enough for a test.
 TINY_TRAIN_ARGS = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -10,7 +11,7 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from hyper_parallel import hookimpl
-from hyper_parallel.core.distributed import WholeMatrices
+from hyper_parallel.core.distributed import Need, RowBlocks, WholeMatrices
 from hyper_parallel.core.distributed.toolkit import local_tensor
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer import MatrixOptimizer
@@ -28,7 +29,7 @@ from hyper_parallel_builtins.muon._extensions import (
     head_wise_dims,
     param_names,
 )
-from hyper_parallel_builtins.muon._matrices import need
+from hyper_parallel_builtins.muon._matrices import matrix_shape, need
 from hyper_parallel_builtins.muon._options import (
     HYPER_PARALLEL_LR,
     TORCH_LR,
@@ -47,7 +48,17 @@ from hyper_parallel_builtins.muon._update import (
     StepOptions,
     apply_updates_,
 )
-from hyper_parallel_builtins.newton_schulz import CoefficientSpec, Workspace
+from hyper_parallel_builtins.newton_schulz import (
+    CoefficientSpec,
+    PathCache,
+    Tuning,
+    TuningReport,
+    Workspace,
+    parse_tuning,
+    stacks_of,
+    tune,
+    tuning_from_env,
+)
 
 __all__ = ["Muon", "hyper_parallel_register_optimizers"]
 
@@ -109,6 +120,7 @@ _INSTANCE_ATTRIBUTES = (
     "post_update_fn",
     "_head_dims",
     "workspace",
+    "ns_tuning",
 )
 
 
@@ -232,6 +244,11 @@ class Muon(MatrixOptimizer):
             :func:`hyper_parallel.qk_clip.track` tracks; the step's figures
             are :attr:`qk_clip_stats`. ``None``: off.
         qk_clip_alpha: The share of the clip ``W_q`` takes, in [0, 1].
+        ns_tuning: ``"on"``: a group's Newton-Schulz paths (and float32 where
+            it beats a lower-precision default) are measured here at its first
+            step, or read from the per-user cache; ``"off"``: the table decides;
+            ``"retune"``: measured again. ``None``: ``$HYPER_PARALLEL_NS_TUNING``,
+            else ``"on"``. Rank 0's choice is every rank's; see :attr:`ns_tuning_report`.
 
     Raises:
         ValueError: a param with fewer than 2 dims or complex, an
@@ -282,6 +299,7 @@ class Muon(MatrixOptimizer):
         split_rows: Sequence[int] | None = None,
         qk_clip_threshold: float | None = None,
         qk_clip_alpha: float = 0.5,
+        ns_tuning: str | None = None,
     ) -> None:
         check_head_wise(head_wise, head_dim, head_wise_patterns, (reshape_fn, ns_transform_fn))
         defaults: dict[str, Any] = {
@@ -326,6 +344,10 @@ class Muon(MatrixOptimizer):
         #: What the last step's QK-clip saw and did (``None`` before one, or with it off)
         self.qk_clip_stats: QKClipStats | None = None
         self._qk_plan: tuple[tuple[Any, ...], ClipPlan | None] | None = None
+        #: Tuning of the Newton-Schulz paths (``$HYPER_PARALLEL_NS_TUNING`` read here, once)
+        self.ns_tuning = tuning_from_env() if ns_tuning is None else parse_tuning(ns_tuning)
+        self._tuning_reports: dict[int, TuningReport] = {}  # by group id
+        self._path_cache: PathCache | None = None  # made at the first tuning
         super().__init__(params, defaults, replica_group_size=self.hsdp_replica_count)
         if head_wise:
             check_head_wise_selects(self.param_groups, head_wise_patterns)
@@ -376,6 +398,13 @@ class Muon(MatrixOptimizer):
         super().__setstate__(state)
         self._decided = {}  # by group id, which a copy does not keep
         self.qk_clip_stats, self._qk_plan = None, None
+        self._tuning_reports, self._path_cache = {}, None
+
+    @property
+    def ns_tuning_report(self) -> TuningReport | None:
+        """What tuning chose for each group's stacks and what it cost (``None`` before any)."""
+        reports = list(self._tuning_reports.values())
+        return sum(reports[1:], reports[0]) if reports else None
 
     def settings(self, group: Mapping[str, Any]) -> MuonSettings:
         """What ``group``'s options decide, worked out when they last changed (never per step)."""
@@ -391,6 +420,7 @@ class Muon(MatrixOptimizer):
             self.momentum_update_fn,
             self.reshape_fn,
             self.ns_transform_fn,
+            self.ns_tuning,
         )
         kept = self._decided.get(id(group))
         if kept is None or kept[0] != deciding:
@@ -408,6 +438,9 @@ class Muon(MatrixOptimizer):
             for i, p in enumerate(params)
         }
         names = param_names(group)
+        plain = self.zeropower_fn is None and not keyed
+        if plain:
+            settings = self._tuned(group, settings, params, needs)
         transform = BlockTransform(
             group,
             settings,
@@ -418,7 +451,6 @@ class Muon(MatrixOptimizer):
             workspace=self.workspace,
             device=params[0].device if params else None,
         )
-        plain = self.zeropower_fn is None and not keyed
         backend = self.sharding_backend(group)
         return DecidedGroup(
             settings=settings,
@@ -438,6 +470,33 @@ class Muon(MatrixOptimizer):
                 and all(isinstance(n, WholeMatrices) for n in needs.values())
             ),
         )
+
+    def _tuned(
+        self,
+        group: Mapping[str, Any],
+        settings: MuonSettings,
+        params: Sequence[Tensor],
+        needs: Mapping[int, Need],
+    ) -> MuonSettings:
+        """``settings`` with the dtypes tuning chose; the paths go to the workspace.
+
+        With ``ns_tuning`` off, or no workspace to keep the paths, nothing is measured.
+        """
+        mode = parse_tuning(self.ns_tuning)  # a user may have set the attribute to a name
+        if mode is Tuning.OFF or self.workspace is None or not params:
+            return settings
+        matrices = []
+        for p in params:  # a param's row blocks (heads, fused parts) are matrices of their own
+            batch, rows, cols = matrix_shape(p.shape, group["matrix_view"])
+            needed = needs[id(p)]
+            heights = needed.heights if isinstance(needed, RowBlocks) else (rows,)
+            matrices += [(batch, h, cols, settings.dtype_for(p), p.device) for h in heights]
+        free = settings.group_ns_dtype is None and settings.env_ns_dtype is None
+        if self._path_cache is None:
+            self._path_cache = PathCache()
+        report = tune(stacks_of(matrices, group["ns_method"], free), mode, self._path_cache)
+        self._tuning_reports[id(group)] = report
+        return dataclasses.replace(settings, tuned_dtypes=report.keep_in(self.workspace))
 
     def _step_group(self, group: dict[str, Any]) -> None:
         group["step"] = (group.get("step") or 0) + 1

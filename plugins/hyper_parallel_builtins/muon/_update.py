@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -99,6 +99,10 @@ class MuonSettings:
     cpu_ns_dtype: torch.dtype  # a CPU's default: bf16 where it multiplies bf16 natively, else fp32
     qk_clip_threshold: float | None = None  # QK-clip's tau; None: the group does not clip
     qk_clip_alpha: float = 0.5  # the share of the clip W_q takes (W_k takes the rest)
+    #: (rows, cols, default dtype) -> the dtype tuning found faster (float32), per matrix shape
+    tuned_dtypes: Mapping[tuple[int, int, torch.dtype], torch.dtype] = field(
+        default_factory=dict, hash=False
+    )
 
     def scale(self, rows: int, cols: int, lr: float) -> float:
         """The factor on a ``(rows, cols)`` matrix's orthogonalized update (a head block: its own)."""
@@ -110,11 +114,15 @@ class MuonSettings:
             scale = 1.0 if self.scale_rule is ScaleRule.ONE else 0.0
         return -lr * scale if self.lr_in_update else scale
 
-    def dtype_for(self, block: Tensor) -> torch.dtype:
-        """The dtype ``block`` is orthogonalized in: the group's, else :func:`ns_dtype_of`."""
+    def dtype_for(self, block: Tensor, matrix: tuple[int, int] | None = None) -> torch.dtype:
+        """The dtype ``block`` is orthogonalized in: the group's, else :func:`ns_dtype_of`, or
+        for its ``(rows, cols)`` matrices the one tuning chose (:attr:`tuned_dtypes`)."""
         if self.group_ns_dtype is not None:
             return self.group_ns_dtype
-        return ns_dtype_of(block, self.env_ns_dtype, self.cpu_ns_dtype)
+        dtype = ns_dtype_of(block, self.env_ns_dtype, self.cpu_ns_dtype)
+        if matrix is None or not self.tuned_dtypes:
+            return dtype
+        return self.tuned_dtypes.get((*matrix, dtype), dtype)
 
 
 def ns_dtype_of(
@@ -343,9 +351,9 @@ class BlockTransform:
         self.keyed = reshape_fn is not None or ns_transform_fn is not None
         self._shapes: dict[tuple[int, ...], tuple[int, int, int]] = {}
 
-    def dtype(self, block: Tensor) -> torch.dtype:
-        """The dtype ``block`` is orthogonalized in."""
-        return self.settings.dtype_for(block)
+    def dtype(self, block: Tensor, matrix: tuple[int, int] | None = None) -> torch.dtype:
+        """The dtype ``block`` (of ``(rows, cols)`` matrices, where known) is orthogonalized in."""
+        return self.settings.dtype_for(block, matrix)
 
     def matrices(self, shape: Sequence[int]) -> tuple[int, int, int]:
         """How a block of ``shape`` reads as matrices, ``(batch, rows, cols)`` (kept per shape)."""
@@ -443,7 +451,8 @@ class BlockTransform:
         lr = live_lr(self.group)
         buckets: dict[tuple[torch.device, torch.dtype, int, int], list[int]] = {}
         for i, (tensor, (_, rows, cols)) in enumerate(zip(tensors, shapes, strict=True)):
-            buckets.setdefault((tensor.device, self.dtype(tensor), rows, cols), []).append(i)
+            key = (tensor.device, self.dtype(tensor, (rows, cols)), rows, cols)
+            buckets.setdefault(key, []).append(i)
         for (device, dtype, rows, cols), indices in buckets.items():
             counts = [shapes[i][0] for i in indices]
             shape = (sum(counts), rows, cols)

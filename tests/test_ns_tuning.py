@@ -1,0 +1,449 @@
+"""Newton-Schulz paths measured on this machine: the switches, the cache, the numbers, the ranks.
+
+The suite runs with tuning off (conftest); these tests turn it on with a cache directory of
+their own. A forced candidate is one a cache file names: Muon reads it and measures nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_distributed
+from test_muon import reference_muon, relative_error
+
+import hyper_parallel_builtins.muon._options as options_module
+import hyper_parallel_builtins.muon._update as update_module
+from hyper_parallel_builtins.muon import Muon
+from hyper_parallel_builtins.muon._options import NS_DTYPE_ENV
+from hyper_parallel_builtins.newton_schulz import (
+    CACHE_DIR_ENV,
+    TUNING_ENV,
+    Candidate,
+    PathCache,
+    ShapeSet,
+    Stack,
+    Tuning,
+    Workspace,
+    _tuning,
+    candidates,
+    default_cache_dir,
+    tune,
+    tuning_from_env,
+)
+from hyper_parallel_builtins.newton_schulz._paths import StackPath, stack_path
+
+CPU = torch.device("cpu")
+STEPS = 3
+TORCH: dict[str, Any] = {
+    "adjust_lr_fn": "original",
+    "lr": 0.02,
+}  # the convention of the float64 reference
+
+#: (rows, cols) of a tall, a wide and a square param; past one symmetric block of 256 rows,
+#: so every candidate (per matrix too) is one
+SHAPES = {"tall": (384, 320), "wide": (320, 384), "square": (320, 320)}
+COUNT = 2  # params of each shape
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Tuning on (by its variable), the cache in a directory of this test's own."""
+    monkeypatch.setenv(TUNING_ENV, "on")
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def timed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The candidates timed (by name), with the real timer."""
+    calls: list[str] = []
+    real = _tuning.seconds_of
+
+    def counting(candidate: Candidate, *args: Any) -> float:
+        calls.append(candidate.name)
+        return real(candidate, *args)
+
+    monkeypatch.setattr(_tuning, "seconds_of", counting)
+    return calls
+
+
+@pytest.fixture
+def bf16_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Muon's default Newton-Schulz dtype is bfloat16 here (as on a CPU with native bf16)."""
+    monkeypatch.delenv(NS_DTYPE_ENV)
+    monkeypatch.setattr(options_module, "cpu_has_native_bf16", lambda: True)
+
+
+@pytest.fixture
+def ns_dtypes() -> Iterator[list[torch.dtype]]:
+    """The dtype of every stack Muon's Newton-Schulz runs."""
+    seen: list[torch.dtype] = []
+    real = update_module.newton_schulz_stack_
+
+    def spy(stack: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(stack.dtype)
+        return real(stack, *args, **kwargs)
+
+    update_module.newton_schulz_stack_ = spy  # type: ignore[assignment]
+    try:
+        yield seen
+    finally:
+        update_module.newton_schulz_stack_ = real  # type: ignore[assignment]
+
+
+def _start(shapes: list[tuple[int, int]], seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for shape in shapes]
+
+
+def _grads(shapes: list[tuple[int, int]]) -> list[list[torch.Tensor]]:
+    return [_start(shapes, seed=1 + step) for step in range(STEPS)]
+
+
+def _train(
+    starts: list[torch.Tensor],
+    grads: list[list[torch.Tensor]],
+    *,
+    workspace: Workspace | None = None,
+    **options: Any,
+) -> tuple[list[torch.Tensor], Muon]:
+    """Copies of ``starts`` after a Muon step per entry of ``grads`` (in ``workspace`` if given)."""
+    params = [p.clone().requires_grad_() for p in starts]
+    muon = Muon(params, **options)
+    if workspace is not None:
+        muon.workspace = workspace
+    for step in grads:
+        for p, g in zip(params, step, strict=True):
+            p.grad = g.clone()
+        muon.step()
+    return [p.detach() for p in params], muon
+
+
+class _TablePaths(Workspace):
+    """Today's workspace: every stack takes :func:`stack_path`'s path, never a tuned one."""
+
+    def path(
+        self, method: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+    ) -> StackPath:
+        return stack_path(method, rows, cols, dtype, device)
+
+
+# -- the switches ------------------------------------------------------------------------
+
+
+def test_the_variable_and_the_option_name_the_mode_and_refuse_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(TUNING_ENV)
+    assert tuning_from_env() is Tuning.ON  # the default
+    for name in ("on", "off", "retune"):
+        monkeypatch.setenv(TUNING_ENV, name)
+        assert tuning_from_env() is Tuning(name)
+        assert Muon([torch.zeros(4, 4)]).ns_tuning is Tuning(name)  # read when it is built
+    assert Muon([torch.zeros(4, 4)], ns_tuning="off").ns_tuning is Tuning.OFF  # the option wins
+    monkeypatch.setenv(TUNING_ENV, "retuen")
+    with pytest.raises(ValueError, match=r"HYPER_PARALLEL_NS_TUNING='retuen' is not a tuning "
+                       r"mode; use one of 'on', 'off', 'retune'\. Did you mean 'retune'"):  # fmt: skip
+        Muon([torch.zeros(4, 4)])
+    with pytest.raises(ValueError, match=r"ns_tuning='fast' is not a tuning mode"):
+        Muon([torch.zeros(4, 4)], ns_tuning="fast")
+
+
+def test_the_cache_directory_follows_the_variable_then_the_platform(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "mine"))
+    assert default_cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv(CACHE_DIR_ENV)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "hyper_parallel"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path.home() / ".cache" / "hyper_parallel"
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert default_cache_dir() == Path.home() / "Library" / "Caches" / "hyper_parallel"
+    monkeypatch.setattr(sys, "platform", "win32")
+    monkeypatch.setenv("LOCALAPPDATA", str(tmp_path / "local"))
+    assert default_cache_dir() == tmp_path / "local" / "hyper_parallel" / "Cache"
+
+
+@pytest.mark.parametrize("how", ["option", "variable"])
+def test_tuning_off_runs_todays_paths_bitwise_and_measures_and_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, timed: list[str], how: str
+) -> None:
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(TUNING_ENV, "off" if how == "variable" else "on")
+    # batched and per matrix (from 640 rows), tall, wide and square, and a Gram stack
+    shapes = [s for s in SHAPES.values() for _ in range(COUNT)] + [(640, 700), (96, 24)]
+    starts, grads = _start(shapes), _grads(shapes)
+    today, _ = _train(starts, grads, workspace=_TablePaths(), ns_tuning="off", **TORCH)
+    switch: dict[str, Any] = {"ns_tuning": "off"} if how == "option" else {}
+    ours, muon = _train(starts, grads, **switch, **TORCH)
+    for a, b in zip(ours, today, strict=True):
+        assert torch.equal(a, b)
+    assert timed == [] and not (tmp_path / "cache").exists()
+    assert muon.ns_tuning_report is None
+
+
+# -- every candidate within the parity tolerance -----------------------------------------
+
+
+def _stack(shape: tuple[int, int]) -> Stack:
+    return Stack(*shape, COUNT, torch.bfloat16, CPU, dtype_free=True)
+
+
+def _forced(shape_name: str) -> list[tuple[str, str, Candidate]]:
+    return [(shape_name, c.name, c) for c in candidates(_stack(SHAPES[shape_name]))]
+
+
+@functools.cache
+def _expected(rows: int, cols: int) -> list[torch.Tensor]:
+    """The float64 reference's params after the steps (the same for every candidate)."""
+    shapes = [(rows, cols)] * COUNT
+    starts, grads = _start(shapes), _grads(shapes)
+    return [
+        reference_muon(start, [g[i] for g in grads], (1, rows, cols))
+        for i, start in enumerate(starts)
+    ]
+
+
+FORCED = [case for name in SHAPES for case in _forced(name)]
+
+
+@pytest.mark.parametrize(("shape_name", "name", "candidate"), FORCED, ids=[
+    f"{s}-{n}" for s, n, _ in FORCED])  # fmt: skip
+def test_each_candidate_a_cache_names_keeps_muon_within_the_parity_tolerance(
+    cache_dir: Path,
+    timed: list[str],
+    bf16_default: None,
+    ns_dtypes: list[torch.dtype],
+    shape_name: str,
+    name: str,
+    candidate: Candidate,
+) -> None:
+    rows, cols = SHAPES[shape_name]
+    cache = PathCache(cache_dir)
+    cache.put(ShapeSet.of(_stack((rows, cols))).key, candidate, {name: 1.0})
+    cache.save()
+    starts, grads = _start([(rows, cols)] * COUNT), _grads([(rows, cols)] * COUNT)
+    params, muon = _train(starts, grads, **TORCH)
+    assert timed == []  # read from the cache: nothing measured
+    report = muon.ns_tuning_report
+    assert report is not None and report.cached and report.shapes[0].chosen == candidate
+    assert muon.workspace is not None
+    assert muon.workspace.path("auto", rows, cols, candidate.dtype, CPU) == candidate.path
+    assert set(ns_dtypes) == {candidate.dtype}
+    # the parity tolerances of test_muon: 5e-5 for a float32 iteration, 1e-2 for bfloat16
+    tolerance = 5e-5 if candidate.dtype == torch.float32 else 1e-2
+    for param, expected, start in zip(params, _expected(rows, cols), starts, strict=True):
+        assert relative_error(param, expected, start) < tolerance, (shape_name, name)
+
+
+# -- measure once, then remember ---------------------------------------------------------
+
+SMALL = [(64, 48), (64, 48), (48, 64), (32, 32)]
+
+
+def test_a_first_run_measures_and_writes_the_cache_and_a_second_optimizer_reads_it(
+    cache_dir: Path, timed: list[str], bf16_default: None
+) -> None:
+    starts, grads = _start(SMALL), _grads(SMALL)
+    _, first = _train(starts, grads, **TORCH)
+    report = first.ns_tuning_report
+    assert report is not None and not report.cached and report.cost_s > 0
+    assert [(s.stack.rows, s.stack.cols, s.stack.count) for s in report.shapes] == [
+        (64, 48, 2), (48, 64, 1), (32, 32, 1)]  # fmt: skip
+    assert timed  # measured
+    for shape in report.shapes:  # the default dtype's candidates all timed, the fastest chosen
+        names = {c.name: c.dtype for c in candidates(shape.stack)}
+        assert {n for n, dtype in names.items() if dtype == torch.bfloat16} <= set(shape.seconds)
+        assert set(shape.seconds) <= set(names)
+        assert any(names[n] == torch.float32 for n in shape.seconds)  # float32's table path
+        assert shape.seconds[shape.chosen.name] == min(shape.seconds.values())
+    written = json.loads((cache_dir / "ns_paths.json").read_text())
+    assert written["torch"] == torch.__version__ and len(written["entries"]) == 3
+
+    timed.clear()
+    _, second = _train(starts, grads, **TORCH)
+    assert timed == []  # a new optimizer reads the cache and measures nothing
+    again = second.ns_tuning_report
+    assert again is not None and again.cached
+    assert [s.chosen for s in again.shapes] == [s.chosen for s in report.shapes]
+
+    _train(starts, grads, ns_tuning="retune", **TORCH)
+    assert timed  # measured again
+    _, off = _train(starts, grads, ns_tuning="off", **TORCH)
+    assert off.ns_tuning_report is None
+
+
+def _tuned_once(cache_dir: Path) -> None:
+    _train(_start(SMALL), _grads(SMALL), **TORCH)
+    assert (cache_dir / "ns_paths.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("spoil", "says"),
+    [
+        (lambda text: text[: len(text) // 2], "cannot be read"),
+        (lambda text: "[1, 2]", "not a path cache"),
+        (lambda text: text.replace('"format": 1', '"format": 0'), "format 0"),
+        (lambda text: text.replace(torch.__version__, "1.0.0"), "torch '1.0.0'"),
+        (lambda text: text.replace('"per_matrix": false', '"per_matrix": 3'), "malformed"),
+    ],
+    ids=["corrupt", "not-a-cache", "other-format", "other-torch", "bad-entry"],
+)
+def test_a_corrupt_or_stale_cache_is_ignored_with_one_warning_line_and_rewritten(
+    cache_dir: Path, timed: list[str], spoil: Any, says: str
+) -> None:
+    _tuned_once(cache_dir)
+    file = cache_dir / "ns_paths.json"
+    file.write_text(spoil(file.read_text()))
+    timed.clear()
+    with pytest.warns(UserWarning) as caught:
+        _train(_start(SMALL), _grads(SMALL), **TORCH)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "\n" not in messages[0], messages
+    assert says in messages[0] and str(file) in messages[0]
+    assert timed  # measured again
+    rewritten = json.loads(file.read_text())
+    assert rewritten["format"] == 1 and rewritten["torch"] == torch.__version__
+    assert len(rewritten["entries"]) == 3
+
+
+def test_the_key_holds_the_device_torch_threads_shape_and_dtype(
+    cache_dir: Path, timed: list[str]
+) -> None:
+    key = ShapeSet.of(Stack(64, 48, 2, torch.bfloat16, CPU, dtype_free=True)).key
+    for part in (_tuning.device_name(CPU), torch.__version__,
+                 f"{torch.get_num_threads()} threads", "64x48 x2", "bfloat16"):  # fmt: skip
+        assert part in key, (part, key)
+    others = [Stack(48, 64, 2, torch.bfloat16, CPU, True), Stack(64, 48, 3, torch.bfloat16, CPU, True),
+              Stack(64, 48, 2, torch.float32, CPU, True), Stack(64, 48, 2, torch.bfloat16, CPU)]  # fmt: skip
+    assert len({key, *(ShapeSet.of(s).key for s in others)}) == 5
+
+    _tuned_once(cache_dir)
+    timed.clear()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        _train(_start(SMALL), _grads(SMALL), **TORCH)  # another thread count: a cache miss
+    finally:
+        torch.set_num_threads(threads)
+    assert timed
+    assert len(json.loads((cache_dir / "ns_paths.json").read_text())["entries"]) == 6
+
+
+def test_a_group_that_names_its_dtype_or_zeropower_fn_is_tuned_as_it_says(
+    cache_dir: Path, bf16_default: None, ns_dtypes: list[torch.dtype]
+) -> None:
+    starts, grads = _start([(64, 48)]), _grads([(64, 48)])
+    _, named = _train(starts, grads, ns_dtype=torch.bfloat16, **TORCH)
+    report = named.ns_tuning_report
+    assert report is not None and not report.shapes[0].stack.dtype_free
+    assert {c.split(",")[0] for c in report.shapes[0].seconds} == {"bfloat16"}  # no float32
+    assert set(ns_dtypes) == {torch.bfloat16}
+    _, custom = _train(starts, grads, zeropower_fn=lambda x, steps: x, **TORCH)
+    assert custom.ns_tuning_report is None  # the user's iteration: nothing to tune
+
+
+def test_tuning_runs_once_per_group_when_it_is_decided_never_at_a_later_step(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hyper_parallel_builtins.muon import _optimizer
+
+    calls: list[int] = []
+    real = _optimizer.tune
+    monkeypatch.setattr(_optimizer, "tune", lambda stacks, *a: calls.append(1) or real(stacks, *a))
+    starts = _start(SMALL)
+    params = [p.clone().requires_grad_() for p in starts]
+    muon = Muon([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], **TORCH)
+    for step in _grads(SMALL):
+        for p, g in zip(params, step, strict=True):
+            p.grad = g.clone()
+        muon.step()
+    assert len(calls) == 2  # one per group, at its first step
+    muon.param_groups[1]["ns_steps"] = 3  # an edited group is decided again: its choice read back
+    muon.step()
+    report = muon.ns_tuning_report
+    assert len(calls) == 3 and report is not None and len(report.shapes) == 3
+
+
+def test_a_kept_path_replaces_the_tables_for_the_standard_iteration_only() -> None:
+    ws = Workspace()
+    table = ws.path("auto", 96, 64, torch.float32, CPU)  # decided, then kept
+    tuned = StackPath(gram=False, per_matrix=False, poly_transposed=not table.poly_transposed,
+                      tall_transposed=True)  # fmt: skip
+    ws.keep_path(96, 64, torch.float32, CPU, tuned)
+    assert ws.path("auto", 96, 64, torch.float32, CPU) == tuned
+    assert ws.path("standard", 96, 64, torch.float32, CPU) == tuned
+    assert ws.path("auto", 96, 64, torch.bfloat16, CPU) == stack_path(
+        "auto", 96, 64, torch.bfloat16, CPU
+    )
+    ws.keep_path(96, 24, torch.float32, CPU, tuned)
+    assert ws.path("auto", 96, 24, torch.float32, CPU).gram  # Gram stays the rule's
+    ws.clear()  # buffers go, kept paths stay
+    assert ws.path("auto", 96, 64, torch.float32, CPU) == tuned
+
+
+# -- the tuning cost ---------------------------------------------------------------------
+
+
+def test_the_cost_of_tuning_a_transformer_is_measured_and_reported(
+    cache_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """transformer_shapes(256, 2) of the benchmarks: the cost is reported, not held to a time."""
+    from benchmarks.common import transformer_shapes
+
+    shapes = Counter(transformer_shapes(256, 2))
+    stacks = [Stack(r, c, n, torch.bfloat16, CPU, dtype_free=True) for (r, c), n in shapes.items()]
+    report = tune(stacks, Tuning.ON, PathCache(cache_dir))
+    assert report.cost_s > 0 and not report.cached
+    assert sum(s.cost_s for s in report.shapes) <= report.cost_s
+    with capsys.disabled():
+        print(f"\n{report}")
+
+
+# -- ranks -------------------------------------------------------------------------------
+
+
+def _check_ranks_run_rank_0s_choice(rank: int, world_size: int, tmp: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ[TUNING_ENV] = "on"
+    os.environ[CACHE_DIR_ENV] = str(Path(tmp) / f"rank{rank}")
+    timed: list[str] = []
+
+    def favouring(candidate: Candidate, *args: Any) -> float:
+        """Rank 0 finds P @ X fastest, rank 1 P^T @ X."""
+        timed.append(candidate.name)
+        return 1.0 if candidate.path.poly_transposed == (rank == 1) else 2.0
+
+    _tuning.seconds_of = favouring  # type: ignore[assignment]  # a process of this test's own
+    params, muon = _train(_start(SMALL), _grads(SMALL), **TORCH)
+    report = muon.ns_tuning_report
+    assert report is not None
+    assert all(not s.chosen.path.poly_transposed for s in report.shapes)  # rank 0's choice
+    assert muon.workspace is not None
+    for s in report.shapes:
+        path = muon.workspace.path("auto", s.stack.rows, s.stack.cols, s.chosen.dtype, CPU)
+        assert not path.poly_transposed
+    assert bool(timed) == (rank == 0)  # rank 1 measured nothing
+    assert (Path(tmp) / f"rank{rank}" / "ns_paths.json").exists() == (rank == 0)
+    for p in params:
+        gathered = [torch.empty_like(p) for _ in range(world_size)]
+        dist.all_gather(gathered, p.contiguous())
+        assert torch.equal(gathered[0], gathered[1])
+
+
+def test_every_rank_runs_rank_0s_choice(tmp_path: Path) -> None:
+    run_distributed(_check_ranks_run_rank_0s_choice, world_size=2, args=(str(tmp_path),))
