@@ -325,14 +325,39 @@ def test_benchmark_modules_import_each_other_at_module_top() -> None:
     assert not inside, inside
 
 
-def test_the_paths_case_times_each_newton_schulz_path_and_names_the_chosen_one() -> None:
-    result = _bench("--cases", "paths", "--dims", "32", "--layers", "1", "--repeats", "1")
+def test_the_paths_case_prints_what_tuning_chose_each_candidate_and_the_cost(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "rows.json"
+    result = _bench("--cases", "paths", "--dims", "32", "--layers", "1", "--repeats", "1",
+                    "--json", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| Newton-Schulz paths")]
-    assert {"per matrix, P @ X", "per matrix, P^T @ X", "batched, P @ X"} <= {
-        row.split("|")[2].strip() for row in rows
-    }
     assert "python -m benchmarks --cases paths --dims 32" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    # tuning measures even where the tests turn it off: the case gives it its own cache
+    tuning = [
+        r for r in rows if r["case"].startswith("Newton-Schulz tuning, d=32, stack 4 x 32 x 32")
+    ]
+    names = [r["ours_label"] for r in tuning]
+    assert len(names) == len(set(names)) >= 2 and all(r["ours"] > 0 for r in tuning)
+    assert sum("chosen" in r["note"].split("; ") for r in tuning) == 1
+    assert sum("the table's" in r["note"].split("; ") for r in tuning) == 1
+    assert {r["peer_label"] for r in tuning} == {"the table's: " + tuning[0]["ours_label"]}
+    # the cost, against one step's Newton-Schulz: the ratio is the cost in steps
+    (cost,) = [r for r in rows if r["case"].endswith("tuning cost")]
+    assert cost["ours_label"] == f"tuning 1 stacks ({len(tuning)} candidates)"
+    assert cost["ours"] > 0 and cost["ratio"] > 0
+    whole_set = [r for r in rows if r["case"].startswith("Newton-Schulz on the d=32 x 1 layers")]
+    (whole,) = [r for r in whole_set if r is not cost]
+    assert (whole["ours_label"], whole["peer_label"]) == (
+        "tuned paths and dtypes", "the table's (tuning off)"
+    )  # fmt: skip
+    assert whole["ratio"] > 0
+    # the table's figures, as before: each path against batched P^T @ X
+    table = [r for r in rows if r["case"].startswith("Newton-Schulz paths, d=32")]
+    assert {"per matrix, P @ X", "per matrix, P^T @ X", "batched, P @ X"} <= {
+        r["ours_label"] for r in table
+    }
 
 
 def test_against_needs_a_revision_and_says_so() -> None:
