@@ -11,7 +11,9 @@ defaults: its Newton-Schulz dtype and the paths it tunes on its first step
 (``HYPER_PARALLEL_NS_TUNING``; the tuned choices are read from the cache
 directory when they were tuned before). torch.optim.Muon runs at its own
 (bf16). Each gets its own params with the same values; steps are timed in
-turns after one warm-up step, which for ours includes any tuning.
+turns after one warm-up step, which for ours includes any tuning: the note
+gives that step's time and what tuning chose, and whether it measured or
+read the cache.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def case_muon_small(
                 params = params_with_grads(shapes, device)
                 steps[name] = stepper(make(params), params)
             medians, first = interleaved_medians(steps, short_repeats(settings), device)
-        note = (f"ours' first step {first['ours'] * 1e3:.0f} ms (tuning included); "
+        note = (f"ours' first step {first['ours'] * 1e3:.0f} ms; "
                 f"median of {short_repeats(settings)} steps each"
                 f"{_tuned(getattr(steps['ours'], 'optimizer', None))}")  # fmt: skip
         yield Row(what, f"ours ({dtype} NS)", medians["ours"], f"{peer.name} (bf16)",
