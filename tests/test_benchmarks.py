@@ -89,7 +89,7 @@ def test_distributed_case_runs_fsdp_and_fsdp_x_tp_rows() -> None:
 def test_unknown_case_is_an_error_naming_the_cases() -> None:
     result = _bench("--cases", "muon,speed")
     assert result.returncode == 2
-    assert "unknown case(s) speed; choose from muon, ns, gram, adamw, chained" in result.stderr
+    assert "unknown case(s) speed; choose from muon, muon_small, ns, gram, adamw" in result.stderr
 
 
 def test_rows_judge_their_targets() -> None:
