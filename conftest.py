@@ -51,7 +51,8 @@ PARSERS = [SkipParser(), PythonCodeBlockParser(), CodeBlockParser("bash", run_sh
 def docs_page() -> Iterator[None]:
     """One page's surroundings: an empty working directory, one thread, fresh plugins.
 
-    Muon iterates in float32 as in the tests (bf16 is 30x slower on a CPU without it).
+    Muon iterates in float32 as in the tests (bf16 is 30x slower on a CPU without it), on
+    the table's paths (tuning off; a page that turns it on writes into its own directory).
     """
     import tempfile
 
@@ -59,11 +60,14 @@ def docs_page() -> Iterator[None]:
 
     from hyper_parallel import get_registry
     from hyper_parallel_builtins.muon._options import NS_DTYPE_ENV
+    from hyper_parallel_builtins.newton_schulz import CACHE_DIR_ENV, TUNING_ENV
 
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as where, pytest.MonkeyPatch.context() as patch:
         patch.chdir(where)
         patch.setenv(NS_DTYPE_ENV, "float32")
+        patch.setenv(TUNING_ENV, "off")  # fixed paths, and nothing written to the user's cache
+        patch.setenv(CACHE_DIR_ENV, where)
         torch.set_num_threads(1)  # the examples are tiny: a thread pool only adds contention
         get_registry().reset()
         try:

@@ -256,7 +256,7 @@ class Candidate:
         flags = [data[k] for k in ("per_matrix", "poly_transposed", "tall_transposed")]
         dtype = getattr(torch, str(data["dtype"]), None)
         if not isinstance(dtype, torch.dtype) or not all(isinstance(f, bool) for f in flags):
-            raise ValueError(f"not a candidate: {dict(data)}")
+            raise HyperParallelValueError(f"not a candidate: {dict(data)}")
         return cls(dtype, StackPath(False, *flags))
 
 
@@ -352,7 +352,8 @@ class TuningReport:
 
     def __str__(self) -> str:
         """One line per stack: the shape, the choice, each candidate's milliseconds."""
-        made = [f"Newton-Schulz tuning: {len(self.shapes)} stacks, {self.cost_s:.3f} s"]
+        stacks = f"{len(self.shapes)} stack{'' if len(self.shapes) == 1 else 's'}"
+        made = [f"Newton-Schulz tuning: {stacks}, {self.cost_s:.3f} s"]
         for s in self.shapes:
             where = "cached" if s.cached else f"measured in {s.cost_s:.3f} s"
             times = "; ".join(f"{name} {1e3 * t:.2f} ms" for name, t in s.seconds.items())
