@@ -12,15 +12,18 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from hyper_parallel.core._cache import CACHE_DIR_ENV, default_cache_dir
 from hyper_parallel.core.errors import HyperParallelTypeError, HyperParallelValueError
 
 __all__ = [
+    "CACHE_DIR_ENV",
     "FAMILY_KEYS",
     "FAMILY_ORDER",
     "accepted_group_keys",
     "accepted_keywords",
     "check_group_keys",
     "check_keywords",
+    "default_cache_dir",
     "did_you_mean",
     "env_switch",
     "listed",

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import platform
-import sys
 import tempfile
 import time
 import warnings
@@ -39,7 +38,7 @@ import torch.distributed as dist
 
 from hyper_parallel.core.compat import cpu_kind
 from hyper_parallel.core.errors import HyperParallelRuntimeError, HyperParallelValueError
-from hyper_parallel.core.options import did_you_mean
+from hyper_parallel.core.options import CACHE_DIR_ENV, default_cache_dir, did_you_mean
 from hyper_parallel_builtins.newton_schulz._coefficients import ASYM5_COEFFICIENTS
 from hyper_parallel_builtins.newton_schulz._iterate import (
     SYMMETRIC_BLOCK_ROWS,
@@ -72,8 +71,6 @@ _log = logging.getLogger(__name__)
 #: Environment variable: ``on`` (the default), ``off`` or ``retune`` (:class:`Tuning`).
 TUNING_ENV = "HYPER_PARALLEL_NS_TUNING"
 
-#: Environment variable: the directory the tuned paths are cached in (:func:`default_cache_dir`).
-CACHE_DIR_ENV = "HYPER_PARALLEL_CACHE_DIR"
 
 #: The cache file's name in the cache directory, and its format version: a file of
 #: another version (or written by another torch) is ignored and rewritten.
@@ -134,25 +131,6 @@ def tuning_from_env() -> Tuning:
     """
     value = os.environ.get(TUNING_ENV, "").strip()
     return parse_tuning(value, TUNING_ENV) if value else Tuning.ON
-
-
-def default_cache_dir() -> Path:
-    """:data:`CACHE_DIR_ENV`, else the platform's per-user cache directory + ``hyper_parallel``.
-
-    Linux and other Unix: ``$XDG_CACHE_HOME`` or ``~/.cache``; macOS:
-    ``~/Library/Caches``; Windows: ``%LOCALAPPDATA%\\hyper_parallel\\Cache``.
-    """
-    given = os.environ.get(CACHE_DIR_ENV, "").strip()
-    if given:
-        return Path(given).expanduser()
-    home = Path.home()
-    if sys.platform == "win32":
-        local = os.environ.get("LOCALAPPDATA", "").strip()
-        return (Path(local) if local else home / "AppData" / "Local") / "hyper_parallel" / "Cache"
-    if sys.platform == "darwin":
-        return home / "Library" / "Caches" / "hyper_parallel"
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    return (Path(xdg) if xdg else home / ".cache") / "hyper_parallel"
 
 
 @functools.cache
