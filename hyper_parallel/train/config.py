@@ -195,13 +195,18 @@ class TrainConfig:
     data: Path | None = field(
         default=None,
         metadata=_option(
-            "train on this UTF-8 text file instead of the built-in data", recorded=True
+            "train on this UTF-8 text file instead of the synthetic data; or a built-in corpus "
+            "by name: 'python-stdlib', this Python's standard library sources, split by file "
+            "with a 2,048-token byte-level BPE, built offline and cached (a file of that name: "
+            "give its full path)",
+            metavar="FILE|NAME",
+            recorded=True,
         ),
     )
     tokenizer: str = field(
         default="char",
         metadata=_option(
-            "--data's tokens: one per character, or per byte (default: %(default)s)",
+            "a --data file's tokens: one per character, or per byte (default: %(default)s)",
             choices=("char", "byte"),
             recorded=True,
         ),

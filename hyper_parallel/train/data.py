@@ -1,5 +1,7 @@
 """Training data for ``hyper-parallel train``: a built-in synthetic language, or a text file.
 
+(:mod:`hyper_parallel.train.corpus` holds the built-in corpora of real text.)
+
 The built-in corpus is generated deterministically at run time (nothing is
 downloaded). It mixes two kinds of lines:
 
@@ -11,7 +13,8 @@ downloaded). It mixes two kinds of lines:
   congruent to 3 mod 7) appear only in the validation split.
 
 Text is tokenized per character, over a fixed alphabet for the built-in
-data, or per byte / per character for a user's file.
+data, or per byte / per character for a user's file; :class:`TokenizedText`
+also holds a byte-level BPE's vocabulary.
 """
 
 from __future__ import annotations
@@ -100,26 +103,46 @@ def _lines(seed: int, held_out_sums: bool) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class TokenizedText:
-    """Token ids of a train and a validation split, and how to decode them."""
+    """Token ids of a train and a validation split, and how to decode them.
+
+    One of three vocabularies: ``alphabet`` (one character per token),
+    ``pieces`` (the bytes each token stands for, as a byte-level BPE has), or
+    neither (one byte per token, vocab 256).
+    """
 
     train: torch.Tensor
     val: torch.Tensor
-    alphabet: str | None  # None: byte-level (vocab 256)
+    alphabet: str | None  # None with no pieces: byte-level (vocab 256)
     source: str
+    pieces: tuple[bytes, ...] | None = None  # token id -> its bytes
+
+    def __post_init__(self) -> None:
+        if self.alphabet is not None and self.pieces is not None:
+            raise HyperParallelValueError(
+                "TokenizedText: give an alphabet or pieces, not both (one vocabulary per text)"
+            )
 
     @property
     def vocab_size(self) -> int:
+        """How many token ids there are: the model's embedding rows."""
+        if self.pieces is not None:
+            return len(self.pieces)
         return 256 if self.alphabet is None else len(self.alphabet)
 
     def digest(self) -> str:
-        """A SHA-256 of both splits' token ids and the alphabet: the same data gives the same digest."""
+        """A SHA-256 of both splits' token ids and the vocabulary: the same data gives the same digest."""
         h = hashlib.sha256((self.alphabet or "").encode("utf-8"))
+        for piece in self.pieces or ():
+            h.update(len(piece).to_bytes(4, "little") + piece)
         for ids in (self.train, self.val):
             flat = ids.to(torch.int64).contiguous()  # its bytes, read without numpy
             h.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))
         return h.hexdigest()
 
     def decode(self, ids: list[int]) -> str:
+        """The text of token ``ids``; bytes that are no UTF-8 read as U+FFFD."""
+        if self.pieces is not None:
+            return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
         if self.alphabet is None:
             return bytes(ids).decode("utf-8", errors="replace")
         return "".join(self.alphabet[i] for i in ids)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
+from hyper_parallel.train.corpus import built_in_corpus
 from hyper_parallel.train.data import TokenizedText, load_text_file, synthetic_corpus
 from hyper_parallel.train.outcome import exit_code
 from hyper_parallel.train.placement import Placement, place
@@ -37,9 +38,11 @@ __all__ = ["MUON_ADAMW", "RunResult", "TrainConfig", "TrainError", "steps_to_rea
 
 
 def load_data(config: TrainConfig) -> TokenizedText:
-    """The built-in corpus, or ``--data``'s file."""
+    """The synthetic corpus, the built-in corpus ``--data`` names, or ``--data``'s file."""
     if config.data is None:
         return synthetic_corpus(seed=config.seed)
+    if (named := built_in_corpus(config.data)) is not None:
+        return named
     return load_text_file(config.data, tokenizer=config.tokenizer, seq_len=config.seq_len)
 
 
