@@ -2,7 +2,9 @@
 
 Run from the repository root::
 
-    python -m benchmarks                    # every case (about 15 minutes on 2 cores)
+    python -m benchmarks                    # every case but against and quality (about 15
+                                            # minutes on 2 cores)
+    python -m benchmarks --cases quality    # Muon against an lr-tuned AdamW on real text
     python -m benchmarks --quick            # smaller shapes, fewer repeats
     python -m benchmarks --cases adamw,ns   # some cases
     python -m benchmarks --install-peers    # pip-install the peer libraries first
@@ -61,6 +63,7 @@ from benchmarks.ns_paths import case_paths
 from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
 from benchmarks.preemption import case_preemption
 from benchmarks.qk_clip import case_qk_clip
+from benchmarks.quality import case_quality
 from benchmarks.swap import case_swap
 
 __all__ = ["CASES", "expert_shapes", "main", "plot", "plot_label", "zero_rows_note"]
@@ -609,10 +612,12 @@ CASES: dict[str, Callable[[Settings], Iterator[Row]]] = {
     "compile": case_compile,
     "qk_clip": case_qk_clip,
     "against": case_against,
+    "quality": case_quality,
 }
 
-#: What ``--cases`` runs when not given: every case but ``against``, which needs ``--against``.
-DEFAULT_CASES = [name for name in CASES if name != "against"]
+#: What ``--cases`` runs when not given: every case but ``against``, which needs ``--against``,
+#: and ``quality``, which trains for minutes.
+DEFAULT_CASES = [name for name in CASES if name not in ("against", "quality")]
 
 
 # ---------------------------------------------------------------- output
@@ -805,7 +810,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
                         help=f"comma-separated, from {', '.join(CASES)} (default: all but "
-                        "against)")  # fmt: skip
+                        "against and quality)")  # fmt: skip
     parser.add_argument("--against", metavar="REV",
                         help="with --cases against: the commit this checkout's Muon step is "
                         "timed against, in the same run")  # fmt: skip
@@ -823,6 +828,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="pip-install the peers into .bench-peers/ first (--no-deps)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the rows and the machine here")
     parser.add_argument("--plot", type=Path, help="write a PNG chart of the ratios here")
+    parser.add_argument("--seeds", type=int, metavar="N",
+                        help="with --cases quality: train each run on seeds 0..N-1 and print "
+                        "the spread (default 1)")  # fmt: skip
+    parser.add_argument("--loss-plot", type=Path, metavar="PNG",
+                        help="with --cases quality: write the loss curves here (default "
+                        "runs/benchmarks/quality_losses.png)")  # fmt: skip
     parser.add_argument("--from-json", type=Path, metavar="JSON",
                         help="measure nothing: print the table (and --plot) of a --json file; "
                         "the options that choose what to measure are ignored")  # fmt: skip
@@ -851,6 +862,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--cases against needs --against REV (a commit, tag or branch)")
     if args.against:
         settings.extra["against"] = args.against
+    if args.seeds is not None:
+        if args.seeds < 1:
+            parser.error(f"--seeds must be >= 1, got {args.seeds}")
+        settings.extra["seeds"] = str(args.seeds)
+    if args.loss_plot:
+        settings.extra["loss_plot"] = str(args.loss_plot)
     if args.muon_peers:
         chosen = tuple(n.strip() for n in args.muon_peers.split(",") if n.strip())
         if not chosen or set(chosen) - set(MUON_PEER_NAMES):

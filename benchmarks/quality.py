@@ -1,0 +1,386 @@
+"""Training quality on real text: Muon + AdamW against an lr-tuned AdamW, by loss and by budget.
+
+Run from the repository root::
+
+    python -m benchmarks --cases quality            # 240 steps (minutes on 2 cores)
+    python -m benchmarks --cases quality --quick    # 120 steps, fewer budgets, smaller eval
+    python -m benchmarks --cases quality --seeds 3  # each run on 3 seeds: means and spread
+
+The built-in decoder (:class:`~hyper_parallel.train.model.TinyGPT`: d=128,
+4 blocks, 4 heads, learned positions) trains on
+:func:`~hyper_parallel.train.corpus.python_stdlib_corpus` (the running
+Python's standard library, split by file, a 2,048-token byte-level BPE),
+sequence 256, batch 8, with a cosine schedule and 5% warmup from
+:func:`~hyper_parallel.get_hyper_lr_scheduler`. Every run of a seed starts
+from the same init and sees the same batches. The configurations:
+
+- AdamW over an lr sweep (:attr:`QualitySize.adamw_lrs`); the one with the
+  lowest final validation loss is "the lr-tuned AdamW";
+- Muon + AdamW at HyperParallel's defaults:
+  ``get_hyper_optimizer(model, muon={}, adamw={})``;
+- the same with the AdamW half at the tuned AdamW's lr:
+  ``get_hyper_optimizer(model, muon={}, adamw={"lr": best})``;
+- ``torch.optim.Muon`` at its defaults on the same matrices, AdamW at 1e-3
+  on the rest.
+
+Rows: each configuration's final validation loss and tokens/s against the
+lr-tuned AdamW's; for the Muon configurations of
+:attr:`QualitySize.budgeted`, separate runs each with its own full cosine
+over a fraction of the steps (:attr:`QualitySize.budgets`, smallest first,
+stopping at the first that reaches the target), and the smallest fraction
+whose final validation loss is at most the lr-tuned AdamW's ("never" if
+none). The loss curves of the full runs go to a PNG (``--loss-plot``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import ROOT, Row, Settings, case_command
+from hyper_parallel import get_hyper_lr_scheduler, get_hyper_optimizer
+from hyper_parallel.core.optimizer import ChainedOptimizer
+from hyper_parallel.train.corpus import python_stdlib_corpus
+from hyper_parallel.train.data import TokenizedText, batches
+from hyper_parallel.train.model import GPTConfig, TinyGPT
+from hyper_parallel.train.plot import smooth_by_step
+from hyper_parallel.train.run import RunResult
+
+__all__ = [
+    "DEFAULT",
+    "QUICK",
+    "Configuration",
+    "QualitySize",
+    "case_quality",
+    "quality_rows",
+]
+
+#: Keys of the Muon configurations (:attr:`Configuration.key`).
+MUON_DEFAULTS = "muon_defaults"
+MUON_TUNED_ADAMW = "muon_tuned_adamw"
+TORCH_MUON = "torch_muon"
+
+#: The lr of the AdamW half next to torch.optim.Muon (HyperParallel's AdamW default).
+TORCH_MUON_ADAMW_LR = 1e-3
+
+#: The steps-to-target fraction issue 43 asks of Muon with the AdamW half at the tuned lr.
+TARGET = "<= 0.8"
+
+#: Where the loss curves go without ``--loss-plot`` (``runs/`` is ignored by git).
+DEFAULT_LOSS_PLOT = ROOT / "runs" / "benchmarks" / "quality_losses.png"
+
+
+@dataclass(frozen=True)
+class QualitySize:
+    """What the case trains: the model, the data's shape, the sweep, the budgets, the seeds."""
+
+    steps: int = 240
+    batch_size: int = 8
+    seq_len: int = 256
+    dim: int = 128
+    layers: int = 4
+    heads: int = 4
+    mlp_hidden: int = 352  # SwiGLU width: 8/3 of dim, rounded up to a multiple of 32
+    vocab_size: int = 2048
+    warmup_fraction: float = 0.05
+    eval_every: int = 20
+    eval_batches: int = 16
+    adamw_lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+    budgets: tuple[float, ...] = (0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
+    budgeted: tuple[str, ...] = (MUON_TUNED_ADAMW, MUON_DEFAULTS)
+    seeds: tuple[int, ...] = (0,)
+
+    def model(self, vocab_size: int) -> GPTConfig:
+        """The decoder's shape at this size, for a corpus of ``vocab_size`` tokens."""
+        return GPTConfig(
+            vocab_size=vocab_size,
+            seq_len=self.seq_len,
+            dim=self.dim,
+            layers=self.layers,
+            heads=self.heads,
+            mlp_hidden=self.mlp_hidden,
+        )
+
+    def budget_steps(self, fraction: float) -> int:
+        """The steps of a run given ``fraction`` of :attr:`steps` (at least 1)."""
+        return max(1, round(fraction * self.steps))
+
+
+#: The default size: 240 steps, three AdamW lrs, budgets 0.4 to 1.0 for two Muon configurations.
+DEFAULT = QualitySize()
+#: ``--quick``: 120 steps, budgets 0.6, 0.8 and 1.0 for Muon at the tuned AdamW lr, a smaller eval.
+QUICK = QualitySize(steps=120, eval_every=20, eval_batches=4, budgets=(0.6, 0.8, 1.0),
+                    budgeted=(MUON_TUNED_ADAMW,))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One optimizer configuration: its key, how rows name it, and how it is built for a model."""
+
+    key: str
+    label: str
+    build: Callable[[TinyGPT], torch.optim.Optimizer]
+
+
+def _lr_text(lr: float) -> str:
+    """``3e-3`` for 0.003."""
+    mantissa, exponent = f"{lr:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def adamw(lr: float) -> Configuration:
+    """AdamW on every param at ``lr``: ``get_hyper_optimizer(model, adamw={"lr": lr})``."""
+    return Configuration(
+        f"adamw_{lr:g}",
+        f"AdamW lr {_lr_text(lr)}",
+        lambda model: get_hyper_optimizer(model, adamw={"lr": lr}),
+    )
+
+
+def muon_configurations(best_adamw_lr: float) -> list[Configuration]:
+    """HyperParallel's Muon + AdamW defaults, the AdamW half at ``best_adamw_lr``, torch's Muon."""
+    best = _lr_text(best_adamw_lr)
+    defaults = "Muon + AdamW, HyperParallel's defaults (muon={}, adamw={})"
+    tuned = f"Muon + AdamW at the tuned AdamW lr (muon={{}}, adamw={{'lr': {best}}})"
+    return [
+        Configuration(
+            MUON_DEFAULTS, defaults, lambda model: get_hyper_optimizer(model, muon={}, adamw={})
+        ),
+        Configuration(
+            MUON_TUNED_ADAMW,
+            tuned,
+            lambda model: get_hyper_optimizer(model, muon={}, adamw={"lr": best_adamw_lr}),
+        ),
+        Configuration(
+            TORCH_MUON,
+            f"torch.optim.Muon defaults + AdamW lr {_lr_text(TORCH_MUON_ADAMW_LR)}",
+            _torch_muon,
+        ),
+    ]
+
+
+def _torch_muon(model: TinyGPT) -> torch.optim.Optimizer:
+    """torch.optim.Muon at its defaults on the matrices HyperParallel's Muon would take.
+
+    The rest (embeddings, head, norms) go to AdamW at :data:`TORCH_MUON_ADAMW_LR`.
+    """
+    muon = getattr(torch.optim, "Muon", None)
+    if muon is None:
+        raise ImportError(f"torch {torch.__version__} has no torch.optim.Muon (torch >= 2.9 has)")
+    routed = get_hyper_optimizer(model, muon={}, adamw={"lr": TORCH_MUON_ADAMW_LR})
+    matrices = [p for group in routed.optimizers["muon"].param_groups for p in group["params"]]
+    return ChainedOptimizer(
+        {"adamw": routed.optimizers["adamw"], "muon": muon(matrices)},
+        param_names=model.named_parameters(),
+    )
+
+
+# ---------------------------------------------------------------- training
+
+
+def _evaluate(model: TinyGPT, val_batches: Sequence[torch.Tensor]) -> float:
+    """Mean next-token loss over the fixed validation batches."""
+    model.eval()
+    with torch.no_grad():
+        loss = sum(float(model.loss(b)) for b in val_batches) / len(val_batches)
+    model.train()
+    return loss
+
+
+def train(
+    configuration: Configuration, data: TokenizedText, size: QualitySize, seed: int, steps: int
+) -> RunResult:
+    """Train a fresh model ``steps`` steps, a full cosine of its own, validating on the way.
+
+    The init and the batches depend on ``seed`` only: every configuration of a
+    seed starts alike and sees the same batches (the first ``steps`` of them).
+    A non-finite loss stops the run; its final validation loss is then ``inf``.
+    """
+    torch.manual_seed(seed)
+    model = TinyGPT(size.model(data.vocab_size))
+    optimizer = configuration.build(model)
+    warmup = max(1, round(size.warmup_fraction * steps))
+    scheduler = get_hyper_lr_scheduler(optimizer, "cosine", total_steps=steps, warmup_steps=warmup)
+    shape = {"batch_size": size.batch_size, "seq_len": size.seq_len}
+    train_batches = batches(data.train, **shape, generator=torch.Generator().manual_seed(seed))
+    val_iter = batches(data.val, **shape, generator=torch.Generator().manual_seed(seed + 1))
+    val_batches = [next(val_iter) for _ in range(size.eval_batches)]
+    result = RunResult(name=configuration.label, steps_done=0)
+    timed = 0.0
+    for step in range(1, steps + 1):
+        start = time.perf_counter()
+        loss = model.loss(next(train_batches))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        timed += time.perf_counter() - start if step > 1 else 0.0  # the first step warms up
+        result.train_losses.append((step, float(loss)))
+        result.steps_done = step
+        if not math.isfinite(float(loss)):
+            result.val_losses.append((step, math.inf))
+            break
+        if step % size.eval_every == 0 or step == steps:
+            result.val_losses.append((step, _evaluate(model, val_batches)))
+    result.logged_train_losses = list(result.train_losses)
+    result.seconds = timed
+    tokens = (result.steps_done - 1) * size.batch_size * size.seq_len
+    result.tokens_per_s = tokens / timed if timed > 0 else 0.0
+    return result
+
+
+@dataclass
+class Runs:
+    """One configuration's runs at one number of steps, one per seed."""
+
+    configuration: Configuration
+    steps: int
+    results: list[RunResult]
+
+    @property
+    def losses(self) -> list[float]:
+        return [r.final_val_loss if r.final_val_loss is not None else math.inf
+                for r in self.results]  # fmt: skip
+
+    @property
+    def loss(self) -> float:
+        """The final validation loss, the mean over the seeds."""
+        return statistics.fmean(self.losses)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return statistics.fmean(r.tokens_per_s for r in self.results)
+
+    def against(self, best: Runs) -> str:
+        """The note of a loss row: ``"4.294 vs 4.713"``, and the seeds' spread when several."""
+        return f"{self.loss:.3f} vs {best.loss:.3f}{self.spread()}"
+
+    def spread(self) -> str:
+        """``"; 3 seeds: 4.701-4.733"`` with several seeds, else ``""``."""
+        if len(self.losses) < 2:
+            return ""
+        return f"; {len(self.losses)} seeds: {min(self.losses):.3f}-{max(self.losses):.3f}"
+
+
+def _run(configuration: Configuration, data: TokenizedText, size: QualitySize, steps: int) -> Runs:
+    """``configuration`` trained ``steps`` steps on each seed, each run said on stderr."""
+    results = []
+    for seed in size.seeds:
+        result = train(configuration, data, size, seed, steps)
+        print(f"quality: {configuration.label}, seed {seed}, {steps} steps: final validation "
+              f"loss {result.final_val_loss:.3f} ({result.seconds:.0f} s)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        results.append(result)
+    return Runs(configuration, steps, results)
+
+
+# ---------------------------------------------------------------- rows
+
+
+def case_quality(settings: Settings) -> Iterator[Row]:
+    """The quality case at :data:`DEFAULT` (``--quick``: :data:`QUICK`), ``--seeds`` seeds."""
+    size = QUICK if settings.quick_flag else DEFAULT
+    seeds = int(settings.extra.get("seeds", "1"))
+    yield from quality_rows(dataclasses.replace(size, seeds=tuple(range(seeds))), settings)
+
+
+def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
+    """Train every configuration at ``size`` and yield the rows the module docstring lists."""
+    data = python_stdlib_corpus(vocab_size=size.vocab_size)
+    extra = [f"--seeds {len(size.seeds)}"] if len(size.seeds) > 1 else []
+    command = case_command("quality", settings, *extra)
+    sweep = [_run(adamw(lr), data, size, size.steps) for lr in size.adamw_lrs]
+    best = min(sweep, key=lambda runs: runs.loss)
+    best_lr = size.adamw_lrs[sweep.index(best)]
+    full = [*sweep, *(_run(c, data, size, size.steps) for c in muon_configurations(best_lr))]
+    where = f"{size.steps} steps of {size.batch_size} x {size.seq_len} tokens, {data.source}"
+    reference = f"{best.configuration.label} (the sweep's best)"
+    for runs in full:
+        yield Row(f"Training quality: final validation loss, {where}", runs.configuration.label,
+                  runs.loss, reference, best.loss, "nats", note=runs.against(best),
+                  command=command)  # fmt: skip
+    for runs in full:
+        yield Row(f"Training quality: training throughput, {where}", runs.configuration.label,
+                  runs.tokens_per_s, reference, best.tokens_per_s, "tokens/s",
+                  command=command)  # fmt: skip
+    _plot_and_say(full, Path(settings.extra.get("loss_plot", DEFAULT_LOSS_PLOT)))
+    for runs in full:
+        if runs.configuration.key in size.budgeted:
+            yield from _budget_rows(runs, best, data, size, command)
+
+
+def _budget_rows(
+    full: Runs, best: Runs, data: TokenizedText, size: QualitySize, command: str
+) -> Iterator[Row]:
+    """``full``'s configuration by budget, smallest first until one reaches ``best``'s final loss.
+
+    One row per budget run, then the steps-to-target row: the steps of the
+    smallest budget that reached it, against the full run's steps ("never"
+    when none did).
+    """
+    label = full.configuration.label
+    reached: Runs | None = None
+    for fraction in sorted(size.budgets):
+        steps = size.budget_steps(fraction)
+        runs = full if steps == full.steps else _run(full.configuration, data, size, steps)
+        yield Row(f"Training quality: final validation loss by budget, {label}",
+                  f"{fraction:.2f} of the steps ({steps}), its own cosine", runs.loss,
+                  f"{best.configuration.label}, {best.steps} steps", best.loss, "nats",
+                  note=runs.against(best), command=command)  # fmt: skip
+        if runs.loss <= best.loss:
+            reached = runs
+            break
+    budgets = ", ".join(f"{f:.2f}" for f in sorted(size.budgets))
+    if reached is None:
+        note = f"never: no budget ({budgets}) reached {best.loss:.3f}"
+    else:
+        note = f"{reached.steps / best.steps:.2f} of the steps ({best.steps / reached.steps:.2f}x)"
+    target = TARGET if full.configuration.key == MUON_TUNED_ADAMW else ""
+    yield Row(f"Training quality: steps to the lr-tuned AdamW's final validation loss "
+              f"(by budget), {label}", label, reached.steps if reached else None,
+              best.configuration.label, best.steps, "steps", target, note, command)  # fmt: skip
+
+
+# ---------------------------------------------------------------- plot
+
+
+def plot_losses(full: Sequence[Runs], path: Path) -> None:
+    """A PNG of the first seed's full runs: validation loss (markers), smoothed train loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120)
+    colors = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]
+    for color, runs in zip(colors, full, strict=False):
+        result = runs.results[0]
+        steps = [s for s, _ in result.train_losses]
+        ax.plot(steps, smooth_by_step(result.train_losses), color=color, alpha=0.4, linewidth=1)
+        val_steps, val = zip(*result.val_losses, strict=True)
+        ax.plot(val_steps, val, color=color, marker="o", markersize=3, linewidth=1.6,
+                label=f"{runs.configuration.label}: {runs.losses[0]:.3f}")  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title("validation loss (markers; final loss in the legend) and smoothed train loss "
+                 "(thin), first seed", fontsize=9)  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_and_say(full: Sequence[Runs], path: Path) -> None:
+    """:func:`plot_losses` to ``path``, and say where on stderr."""
+    plot_losses(full, path)
+    print(f"quality: loss curves written to {path}", file=sys.stderr, flush=True)
