@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import benchmarks.common as common
+import benchmarks.quality as quality
 import benchmarks.suite as suite
 from benchmarks.checkpoint import case_checkpoint
 from benchmarks.common import Row, Settings, transformer_shapes
@@ -22,6 +23,7 @@ from benchmarks.muon_small import case_muon_small
 from benchmarks.qk_clip import Sizes, qk_clip_rows
 from benchmarks.suite import case_distributed, format_table, not_measured_line, plot_label
 from hyper_parallel import qk_clip
+from hyper_parallel.train.data import synthetic_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -433,3 +435,67 @@ def test_the_small_shapes_case_steps_ours_against_torch_muon_at_each_thread_coun
         assert r.command == "python -m benchmarks --cases muon_small"
         assert r.note.startswith("ours' first step ")
     assert "muon_small" in suite.DEFAULT_CASES
+
+
+def test_the_quality_case_trains_each_configuration_and_finds_the_steps_to_adamw_s_loss(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    corpus = synthetic_corpus(train_chars=20_000, val_chars=4_000)
+    asked: list[dict[str, object]] = []
+    monkeypatch.setattr(quality, "python_stdlib_corpus", lambda **kw: asked.append(kw) or corpus)
+    tiny = quality.QualitySize(
+        steps=8, batch_size=2, seq_len=16, dim=32, layers=1, heads=2, mlp_hidden=64,
+        vocab_size=512, eval_every=4, eval_batches=1, adamw_lrs=(1e-3, 1e-2),
+        budgets=(0.5, 1.0), seeds=(0, 1),
+    )  # fmt: skip
+    plot = tmp_path / "losses.png"
+    rows = list(quality.quality_rows(tiny, Settings(extra={"loss_plot": str(plot)})))
+    assert asked == [{"vocab_size": 512}]
+    where = "8 steps of 2 x 16 tokens, " + corpus.source
+    losses = [r for r in rows if r.case == f"Training quality: final validation loss, {where}"]
+    best = min(losses[:2], key=lambda r: r.ours)  # the sweep's best AdamW is every row's reference
+    best_lr = best.ours_label.removeprefix("AdamW lr ")
+    assert [r.ours_label for r in losses] == [
+        "AdamW lr 1e-3", "AdamW lr 1e-2",
+        "Muon + AdamW, HyperParallel's defaults (muon={}, adamw={})",
+        f"Muon + AdamW at the tuned AdamW lr (muon={{}}, adamw={{'lr': {best_lr}}})",
+        "torch.optim.Muon defaults + AdamW lr 1e-3",
+    ]  # fmt: skip
+    for r in losses:
+        assert r.peer_label == f"{best.ours_label} (the sweep's best)" and r.peer == best.ours
+        assert 0 < r.ours < 10 and r.note.startswith(f"{r.ours:.3f} vs {best.ours:.3f}; 2 seeds: ")
+    speed = [r for r in rows if r.case.startswith("Training quality: training throughput")]
+    assert [r.ours_label for r in speed] == [r.ours_label for r in losses]
+    assert all(r.unit == "tokens/s" and r.ours > 0 and r.peer > 0 for r in speed)
+    # by budget: Muon with the AdamW half at the tuned lr, then HyperParallel's defaults
+    reached = [r for r in rows if r.case.startswith("Training quality: steps to")]
+    assert [r.ours_label for r in reached] == [losses[3].ours_label, losses[2].ours_label]
+    assert [r.target for r in reached] == ["<= 0.8", ""]
+    for r, full in zip(reached, (losses[3], losses[2]), strict=True):
+        budgets = [x for x in rows if x.case.endswith(f"by budget, {full.ours_label}")]
+        assert budgets[0].ours_label == "0.50 of the steps (4), its own cosine"
+        assert r.peer == 8 and r.unit == "steps" and r.peer_label == best.ours_label
+        if r.ours is None:  # neither budget reached AdamW's loss; the full run is budget 1.0
+            assert r.note == f"never: no budget (0.50, 1.00) reached {best.ours:.3f}"
+            assert len(budgets) == 2 and budgets[1].ours == full.ours > best.ours
+        else:  # the smallest budget that reached it, and no larger one run
+            assert r.ours == 8 * float(r.note.split(" of the steps")[0])
+            assert budgets[-1].ours is not None and budgets[-1].ours <= best.ours
+    assert all(row.command == "python -m benchmarks --cases quality --seeds 2" for row in rows)
+    table = format_table(rows)
+    assert all(f"| {r.case} | {r.ours_label} |" in table for r in reached)
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    assert "quality" in suite.CASES and "quality" not in suite.DEFAULT_CASES
+
+
+def test_quality_runs_of_a_seed_start_from_the_same_init_and_batches() -> None:
+    corpus = synthetic_corpus(train_chars=20_000, val_chars=4_000)
+    tiny = quality.QualitySize(steps=4, batch_size=2, seq_len=16, dim=32, layers=1, heads=2,
+                               mlp_hidden=64, eval_every=2, eval_batches=1)  # fmt: skip
+    adamw = quality.train(quality.adamw(1e-3), corpus, tiny, seed=0, steps=4)
+    muon = quality.train(quality.muon_configurations(1e-3)[1], corpus, tiny, seed=0, steps=2)
+    again = quality.train(quality.adamw(1e-3), corpus, tiny, seed=0, steps=4)
+    other_seed = quality.train(quality.adamw(1e-3), corpus, tiny, seed=1, steps=4)
+    # step 1's loss is taken before any update: the same model on the same batch
+    assert muon.train_losses[0] == adamw.train_losses[0] != other_seed.train_losses[0]
+    assert again.val_losses == adamw.val_losses and [s for s, _ in adamw.val_losses] == [2, 4]
