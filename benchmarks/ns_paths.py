@@ -54,7 +54,7 @@ from hyper_parallel_builtins.newton_schulz import (
 from hyper_parallel_builtins.newton_schulz._coefficients import ASYM5_COEFFICIENTS
 from hyper_parallel_builtins.newton_schulz._iterate import newton_schulz_batched
 from hyper_parallel_builtins.newton_schulz._paths import PER_MATRIX_FROM, StackPath, cpu_path
-from hyper_parallel_builtins.newton_schulz._tuning import SAMPLE_MATRICES
+from hyper_parallel_builtins.newton_schulz._tuning import SAMPLE_MATRICES, device_name
 from hyper_parallel_builtins.newton_schulz._workspace import Workspace
 
 __all__ = ["case_paths"]
@@ -105,26 +105,29 @@ def case_paths(settings: Settings) -> Iterator[Row]:
     """Per model width: tuning's choices and cost, tuned against the table, the table's figures."""
     from hyper_parallel_builtins.muon import default_ns_dtype
 
-    default = default_ns_dtype(torch.empty(0))
+    device = torch.device(settings.device)
+    default = default_ns_dtype(torch.empty(0, device=device))
     gen = torch.Generator().manual_seed(0)
     for dim in settings.dims:
         shapes = Counter(transformer_shapes(dim, settings.layers))
-        buckets = {s: [torch.randn(s, generator=gen) for _ in range(n)] for s, n in shapes.items()}
+        buckets = {s: [torch.randn(s, generator=gen).to(device) for _ in range(n)]
+                   for s, n in shapes.items()}  # fmt: skip
         command = case_command("paths", settings, f"--dims {dim}")
         yield from _tuning_rows(settings, dim, buckets, default, command)
-        for dtype in dict.fromkeys([default, torch.float32]):
-            yield from _table_rows(settings, dim, buckets, dtype, command)
+        if device.type == "cpu":  # the table (tuning off) is CPU_PATHS, by CPU kind
+            for dtype in dict.fromkeys([default, torch.float32]):
+                yield from _table_rows(settings, dim, buckets, dtype, command)
 
 
 def _tuning_rows(
     settings: Settings, dim: int, buckets: _Buckets, default: torch.dtype, command: str
 ) -> Iterator[Row]:
     """Tuning into an empty cache: each stack's candidates and choice, the cost, tuned vs table."""
-    cpu = torch.device("cpu")
-    matrices = [(len(m), *shape, default, cpu) for shape, m in buckets.items()]
+    device = torch.device(settings.device)
+    matrices = [(len(m), *shape, default, device) for shape, m in buckets.items()]
     with tempfile.TemporaryDirectory() as cache:
         report = tune(stacks_of(matrices, "auto", dtype_free=True), Tuning.ON, PathCache(cache))
-    place = f"CPU {cpu_kind()}, {_threads()}"
+    place = f"CPU {cpu_kind()}, {_threads()}" if device.type == "cpu" else device_name(device)
     for shape in report.shapes:
         yield from _candidate_rows(shape, dim, place, command)
     tuned_ws = Workspace()
@@ -134,7 +137,7 @@ def _tuning_rows(
                          tuned_ws, "auto"),
         "table": _runner(buckets, dict.fromkeys(buckets, default), Workspace(), "auto"),
     }  # fmt: skip
-    medians, _ = interleaved_medians(runs, settings.repeats, "cpu")
+    medians, _ = interleaved_medians(runs, settings.repeats, settings.device)
     what = f"Newton-Schulz on the d={dim} x {settings.layers} layers set, {place}"
     yield Row(what, "tuned paths and dtypes", medians["tuned"], "the table's (tuning off)",
               medians["table"], "s", "", "ns_method='auto', as Muon runs it", command)  # fmt: skip
