@@ -305,11 +305,25 @@ class TrainConfig:
             raise TrainError(
                 "--resume, --checkpoint-every and --checkpoint-async need --checkpoint-dir DIR"
             )
+        self._check_data()
         if self.weight_decay < 0:
             raise TrainError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.dim % self.heads:
             raise TrainError(f"--dim ({self.dim}) must be divisible by --heads ({self.heads})")
         self._check_qk_clip()
+
+    def _check_data(self) -> None:
+        from hyper_parallel.train.corpus import BUILT_IN_CORPORA
+
+        if (
+            self.data is not None
+            and str(self.data) in BUILT_IN_CORPORA
+            and self.tokenizer != "char"
+        ):
+            raise TrainError(
+                f"--tokenizer {self.tokenizer}: --data {self.data} is a built-in corpus with its "
+                "own tokenizer; drop --tokenizer, or give a file's full path"
+            )
 
     def _check_qk_clip(self) -> None:
         threshold, alpha = self.qk_clip_threshold, self.qk_clip_alpha
