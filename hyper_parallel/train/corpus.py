@@ -196,12 +196,12 @@ def _encode(tokenizer: Tokenizer, files: Sequence[SourceFile]) -> torch.Tensor:
     return torch.cat([torch.tensor(e.ids, dtype=torch.long) for e in encoded])
 
 
-def _describe(root: Path, split: CorpusSplit, vocab_size: int) -> str:
-    """What a run's summary and plot say the data was."""
+def _describe(split: CorpusSplit, vocab_size: int) -> str:
+    """What a run's summary and plot title say the data was (short: the title is one line)."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     return (
-        f"Python {version} standard library .py files ({root}): {len(split.train)} for "
-        f"training, {len(split.val)} for validation, byte-level BPE of {vocab_size} tokens"
+        f"Python {version} standard library .py files ({len(split.train)} train / "
+        f"{len(split.val)} validation), byte-level BPE of {vocab_size} tokens"
     )
 
 
@@ -301,7 +301,7 @@ def python_stdlib_corpus(
         train=_encode(tokenizer, split.train),
         val=_encode(tokenizer, split.val),
         alphabet=None,
-        source=_describe(base, split, len(pieces)),
+        source=_describe(split, len(pieces)),
         pieces=pieces,
     )
     _write_cache(cached_at, data)
