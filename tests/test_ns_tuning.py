@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -83,20 +84,15 @@ def bf16_default(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def ns_dtypes() -> Iterator[list[torch.dtype]]:
-    """The dtype of every stack Muon's Newton-Schulz runs."""
-    seen: list[torch.dtype] = []
+def ns_stacks() -> Iterator[mock.MagicMock]:
+    """A spy on Muon's Newton-Schulz: each call's first argument is the stack it ran."""
     real = update_module.newton_schulz_stack_
+    with mock.patch.object(update_module, "newton_schulz_stack_", wraps=real) as spy:
+        yield spy
 
-    def spy(stack: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        seen.append(stack.dtype)
-        return real(stack, *args, **kwargs)
 
-    update_module.newton_schulz_stack_ = spy  # type: ignore[assignment]
-    try:
-        yield seen
-    finally:
-        update_module.newton_schulz_stack_ = real  # type: ignore[assignment]
+def _dtypes(spy: mock.MagicMock) -> set[torch.dtype]:
+    return {call.args[0].dtype for call in spy.call_args_list}
 
 
 def _start(shapes: list[tuple[int, int]], seed: int = 0) -> list[torch.Tensor]:
@@ -224,7 +220,7 @@ def test_each_candidate_a_cache_names_keeps_muon_within_the_parity_tolerance(
     cache_dir: Path,
     timed: list[str],
     bf16_default: None,
-    ns_dtypes: list[torch.dtype],
+    ns_stacks: mock.MagicMock,
     shape_name: str,
     name: str,
     candidate: Candidate,
@@ -240,7 +236,7 @@ def test_each_candidate_a_cache_names_keeps_muon_within_the_parity_tolerance(
     assert report is not None and report.cached and report.shapes[0].chosen == candidate
     assert muon.workspace is not None
     assert muon.workspace.path("auto", rows, cols, candidate.dtype, CPU) == candidate.path
-    assert set(ns_dtypes) == {candidate.dtype}
+    assert _dtypes(ns_stacks) == {candidate.dtype}
     # the parity tolerances of test_muon: 5e-5 for a float32 iteration, 1e-2 for bfloat16
     tolerance = 5e-5 if candidate.dtype == torch.float32 else 1e-2
     for param, expected, start in zip(params, _expected(rows, cols), starts, strict=True):
@@ -342,14 +338,14 @@ def test_the_key_holds_the_device_torch_threads_shape_and_dtype(
 
 
 def test_a_group_that_names_its_dtype_or_zeropower_fn_is_tuned_as_it_says(
-    cache_dir: Path, bf16_default: None, ns_dtypes: list[torch.dtype]
+    cache_dir: Path, bf16_default: None, ns_stacks: mock.MagicMock
 ) -> None:
     starts, grads = _start([(64, 48)]), _grads([(64, 48)])
     _, named = _train(starts, grads, ns_dtype=torch.bfloat16, **TORCH)
     report = named.ns_tuning_report
     assert report is not None and not report.shapes[0].stack.dtype_free
     assert {c.split(",")[0] for c in report.shapes[0].seconds} == {"bfloat16"}  # no float32
-    assert set(ns_dtypes) == {torch.bfloat16}
+    assert _dtypes(ns_stacks) == {torch.bfloat16}
     _, custom = _train(starts, grads, zeropower_fn=lambda x, steps: x, **TORCH)
     assert custom.ns_tuning_report is None  # the user's iteration: nothing to tune
 
