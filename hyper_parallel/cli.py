@@ -284,7 +284,8 @@ def _add_train_parser(sub: Any) -> None:
         "train",
         help="train a small GPT with Muon + AdamW (or any registered optimizer) and plot the loss",
         description="Train a small GPT-style decoder on a built-in synthetic language (generated "
-        "at run time) or on --data, and write metrics.jsonl, loss_curves.png and summary.json.",
+        "at run time), on real text (--data python-stdlib: this Python's standard library), or "
+        "on --data FILE, and write metrics.jsonl, loss_curves.png and summary.json.",
     )
     refused = ", ".join(f"{name} ({why})" for name, why in optimizers_train_cannot_use().items())
     for f in config_fields():
