@@ -47,6 +47,7 @@ import torch
 
 from benchmarks.common import ROOT, Row, Settings, case_command
 from hyper_parallel import get_hyper_lr_scheduler, get_hyper_optimizer
+from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer import ChainedOptimizer
 from hyper_parallel.train.corpus import python_stdlib_corpus
 from hyper_parallel.train.data import TokenizedText, batches
@@ -97,6 +98,18 @@ class QualitySize:
     budgets: tuple[float, ...] = (0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
     budgeted: tuple[str, ...] = (MUON_TUNED_ADAMW, MUON_DEFAULTS)
     seeds: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.budgeted) - {MUON_DEFAULTS, MUON_TUNED_ADAMW, TORCH_MUON}
+        if unknown:
+            raise HyperParallelValueError(
+                f"QualitySize.budgeted: unknown configuration(s) {sorted(unknown)}; choose from "
+                f"{MUON_TUNED_ADAMW!r}, {MUON_DEFAULTS!r}, {TORCH_MUON!r}"
+            )
+        if not self.seeds or not self.adamw_lrs or not self.budgets:
+            raise HyperParallelValueError(
+                "QualitySize: seeds, adamw_lrs and budgets each need at least one value"
+            )
 
     def model(self, vocab_size: int) -> GPTConfig:
         """The decoder's shape at this size, for a corpus of ``vocab_size`` tokens."""
@@ -223,9 +236,10 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         timed += time.perf_counter() - start if step > 1 else 0.0  # the first step warms up
-        result.train_losses.append((step, float(loss)))
+        value = float(loss.detach())
+        result.train_losses.append((step, value))
         result.steps_done = step
-        if not math.isfinite(float(loss)):
+        if not math.isfinite(value):
             result.val_losses.append((step, math.inf))
             break
         if step % size.eval_every == 0 or step == steps:
@@ -295,13 +309,14 @@ def case_quality(settings: Settings) -> Iterator[Row]:
 def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
     """Train every configuration at ``size`` and yield the rows the module docstring lists."""
     data = python_stdlib_corpus(vocab_size=size.vocab_size)
+    print(f"quality: training on {data.source}", file=sys.stderr, flush=True)
     extra = [f"--seeds {len(size.seeds)}"] if len(size.seeds) > 1 else []
     command = case_command("quality", settings, *extra)
     sweep = [_run(adamw(lr), data, size, size.steps) for lr in size.adamw_lrs]
     best = min(sweep, key=lambda runs: runs.loss)
     best_lr = size.adamw_lrs[sweep.index(best)]
     full = [*sweep, *(_run(c, data, size, size.steps) for c in muon_configurations(best_lr))]
-    where = f"{size.steps} steps of {size.batch_size} x {size.seq_len} tokens, {data.source}"
+    where = f"{size.steps} steps of {size.batch_size} x {size.seq_len} tokens, python-stdlib"
     reference = f"{best.configuration.label} (the sweep's best)"
     for runs in full:
         yield Row(f"Training quality: final validation loss, {where}", runs.configuration.label,
@@ -312,9 +327,9 @@ def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
                   runs.tokens_per_s, reference, best.tokens_per_s, "tokens/s",
                   command=command)  # fmt: skip
     _plot_and_say(full, Path(settings.extra.get("loss_plot", DEFAULT_LOSS_PLOT)))
-    for runs in full:
-        if runs.configuration.key in size.budgeted:
-            yield from _budget_rows(runs, best, data, size, command)
+    by_key = {runs.configuration.key: runs for runs in full}
+    for key in size.budgeted:  # in the order they are given
+        yield from _budget_rows(by_key[key], best, data, size, command)
 
 
 def _budget_rows(

@@ -451,7 +451,7 @@ def test_the_quality_case_trains_each_configuration_and_finds_the_steps_to_adamw
     plot = tmp_path / "losses.png"
     rows = list(quality.quality_rows(tiny, Settings(extra={"loss_plot": str(plot)})))
     assert asked == [{"vocab_size": 512}]
-    where = "8 steps of 2 x 16 tokens, " + corpus.source
+    where = "8 steps of 2 x 16 tokens, python-stdlib"
     losses = [r for r in rows if r.case == f"Training quality: final validation loss, {where}"]
     best = min(losses[:2], key=lambda r: r.ours)  # the sweep's best AdamW is every row's reference
     best_lr = best.ours_label.removeprefix("AdamW lr ")
