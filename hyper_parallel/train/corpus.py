@@ -5,7 +5,7 @@
 test suites, which some installs leave out, are skipped), split by file into
 training and validation, and tokenized by a byte-level BPE trained on the
 training files only. Nothing is downloaded: the files are already on disk,
-and the BPE is trained here (with Hugging Face ``tokenizers``, the ``train``
+and the BPE is trained here (with Hugging Face ``tokenizers``, the ``text``
 extra). The tokenized splits are cached in :func:`default_cache_dir`, keyed
 by the Python version, the files' digest, the vocabulary size and the split,
 so a second call reads them back instead of training the BPE again.
@@ -157,7 +157,7 @@ def train_byte_level_bpe(texts: Sequence[str], vocab_size: int) -> Tokenizer:
     except ImportError:
         raise DataError(
             f"--data {PYTHON_STDLIB} trains its tokenizer with the 'tokenizers' package, which "
-            "is not installed; pip install 'hyper-parallel[train]'"
+            "is not installed; pip install 'hyper-parallel[text]'"
         ) from None
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
