@@ -53,7 +53,7 @@ from hyper_parallel.train.corpus import python_stdlib_corpus
 from hyper_parallel.train.data import TokenizedText, batches
 from hyper_parallel.train.model import GPTConfig, TinyGPT
 from hyper_parallel.train.plot import smooth_by_step
-from hyper_parallel.train.run import RunResult
+from hyper_parallel.train.run import RunResult, evaluate
 
 __all__ = [
     "DEFAULT",
@@ -199,15 +199,6 @@ def _torch_muon(model: TinyGPT) -> torch.optim.Optimizer:
 # ---------------------------------------------------------------- training
 
 
-def _evaluate(model: TinyGPT, val_batches: Sequence[torch.Tensor]) -> float:
-    """Mean next-token loss over the fixed validation batches."""
-    model.eval()
-    with torch.no_grad():
-        loss = sum(float(model.loss(b)) for b in val_batches) / len(val_batches)
-    model.train()
-    return loss
-
-
 def train(
     configuration: Configuration, data: TokenizedText, size: QualitySize, seed: int, steps: int
 ) -> RunResult:
@@ -243,7 +234,7 @@ def train(
             result.val_losses.append((step, math.inf))
             break
         if step % size.eval_every == 0 or step == steps:
-            result.val_losses.append((step, _evaluate(model, val_batches)))
+            result.val_losses.append((step, evaluate(model, val_batches)))
     result.logged_train_losses = list(result.train_losses)
     result.seconds = timed
     tokens = (result.steps_done - 1) * size.batch_size * size.seq_len

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -36,7 +36,7 @@ from hyper_parallel.train.qk_log import QKClipFigures, track_for_clip
 if TYPE_CHECKING:
     from hyper_parallel.checkpoint import CheckpointManager, Preemption
 
-__all__ = ["Metrics", "NonFiniteRun", "RunResult", "build_optimizer", "run_one"]
+__all__ = ["Metrics", "NonFiniteRun", "RunResult", "build_optimizer", "evaluate", "run_one"]
 
 #: A run stops when this many steps in a row have non-finite gradients.
 _MAX_SKIPS_IN_A_ROW = 10
@@ -202,7 +202,8 @@ def _complete_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _evaluate(model: TinyGPT, val_batches: list[torch.Tensor]) -> float:
+def evaluate(model: TinyGPT, val_batches: Sequence[torch.Tensor]) -> float:
+    """Mean next-token loss over the validation batches (in eval mode, then back to train)."""
     model.eval()
     with torch.no_grad():
         loss = sum(float(model.loss(b)) for b in val_batches) / len(val_batches)
@@ -318,7 +319,7 @@ class _Run:
         return self.result.name
 
     def evaluate(self, step: int) -> None:
-        self.result.val_losses.append((step, _evaluate(self.model, self.val_batches)))
+        self.result.val_losses.append((step, evaluate(self.model, self.val_batches)))
         self.metrics.write(
             {"run": self.name, "step": step, "val_loss": self.result.val_losses[-1][1]}
         )
