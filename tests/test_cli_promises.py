@@ -185,7 +185,7 @@ def _interrupt_on_call(monkeypatch: pytest.MonkeyPatch, target: str, at: int) ->
 def test_ctrl_c_during_the_first_evaluation_leaves_no_plot_and_an_honest_summary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _interrupt_on_call(monkeypatch, "_evaluate", 1)
+    _interrupt_on_call(monkeypatch, "evaluate", 1)
     out = tmp_path / "o"
     assert _train(["--steps", "4", "--out", str(out)]) == 130
     assert not (out / "loss_curves.png").exists()
