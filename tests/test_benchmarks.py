@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -347,7 +348,10 @@ def test_the_paths_case_prints_what_tuning_chose_each_candidate_and_the_cost(
     assert {r["peer_label"] for r in tuning} == {"the table's: " + tuning[0]["ours_label"]}
     # the cost, against one step's Newton-Schulz: the ratio is the cost in steps
     (cost,) = [r for r in rows if r["case"].endswith("tuning cost")]
-    assert cost["ours_label"] == f"tuning 1 stacks ({len(tuning)} candidates)"
+    every = [r for r in rows if r["case"].startswith("Newton-Schulz tuning, d=32")]
+    stacks = {r["case"] for r in every}  # q, k, v, o; the MLP's two, which Gram's rule runs
+    assert len(stacks) == 3 and any(r["ours_label"].endswith(", Gram") for r in every)
+    assert cost["ours_label"] == f"tuning 3 stacks ({len(every)} candidates)"
     assert cost["ours"] > 0 and cost["ratio"] > 0
     whole_set = [r for r in rows if r["case"].startswith("Newton-Schulz on the d=32 x 1 layers")]
     (whole,) = [r for r in whole_set if r is not cost]
@@ -486,6 +490,30 @@ def test_the_quality_case_trains_each_configuration_and_finds_the_steps_to_adamw
     assert all(f"| {r.case} | {r.ours_label} |" in table for r in reached)
     assert plot.read_bytes().startswith(b"\x89PNG")
     assert "quality" in suite.CASES and "quality" not in suite.DEFAULT_CASES
+
+
+def test_at_adamw_s_default_lr_the_tuned_muon_configuration_is_the_defaults_trained_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = synthetic_corpus(train_chars=20_000, val_chars=4_000)
+    monkeypatch.setattr(quality, "python_stdlib_corpus", lambda **kw: corpus)
+    trained: list[tuple[str, int]] = []
+    real = quality.train
+    monkeypatch.setattr(quality, "train", lambda c, d, size, seed, steps: trained.append(
+        (c.key, steps)) or real(c, d, size, seed, steps))  # fmt: skip
+    tiny = quality.QualitySize(
+        steps=4, batch_size=2, seq_len=16, dim=32, layers=1, heads=2, mlp_hidden=64,
+        vocab_size=512, eval_every=2, eval_batches=1, adamw_lrs=(quality.ADAMW_DEFAULT_LR,),
+        budgets=(0.5, 1.0),
+    )  # fmt: skip
+    rows = list(quality.quality_rows(tiny, Settings(extra={"loss_plot": str(tmp_path / "l.png")})))
+    tuned, defaults = quality.MUON_TUNED_ADAMW, quality.MUON_DEFAULTS
+    muon_runs = Counter(steps for key, steps in trained if key in (tuned, defaults))
+    assert muon_runs == {4: 1, 2: 1}  # each run once for the two, the budget run's too
+    assert len(trained) == 4  # and AdamW's, torch.optim.Muon's
+    losses = {r.ours_label: r.ours for r in rows if r.case.startswith("Training quality: final")}
+    assert len(set(losses.values())) < len(losses)  # the two shared configurations, one loss
+    assert "its runs reused" in capsys.readouterr().err
 
 
 def test_quality_runs_of_a_seed_start_from_the_same_init_and_batches() -> None:

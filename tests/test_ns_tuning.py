@@ -6,6 +6,7 @@ their own. A forced candidate is one a cache file names: Muon reads it and measu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -36,10 +37,12 @@ from hyper_parallel_builtins.newton_schulz import (
     _tuning,
     candidates,
     default_cache_dir,
+    stacks_of,
     tune,
     tuning_from_env,
 )
-from hyper_parallel_builtins.newton_schulz._paths import StackPath, stack_path
+from hyper_parallel_builtins.newton_schulz._paths import StackPath, resolve_ns_method, stack_path
+from hyper_parallel_builtins.newton_schulz._tuning import CACHE_FORMAT
 
 CPU = torch.device("cpu")
 STEPS = 3
@@ -48,9 +51,9 @@ TORCH: dict[str, Any] = {
     "lr": 0.02,
 }  # the convention of the float64 reference
 
-#: (rows, cols) of a tall, a wide and a square param; past one symmetric block of 256 rows,
-#: so every candidate (per matrix too) is one
-SHAPES = {"tall": (384, 320), "wide": (320, 384), "square": (320, 320)}
+#: (rows, cols) of a tall, a wide and a square param, and a long one that ns_method="auto" runs
+#: by Gram; past one symmetric block of 256 rows, so every candidate (per matrix too) is one
+SHAPES = {"tall": (384, 320), "wide": (320, 384), "square": (320, 320), "long": (800, 288)}
 COUNT = 2  # params of each shape
 
 
@@ -193,7 +196,24 @@ def test_tuning_off_runs_todays_paths_bitwise_and_measures_and_writes_nothing(
 
 
 def _stack(shape: tuple[int, int]) -> Stack:
-    return Stack(*shape, COUNT, torch.bfloat16, CPU, dtype_free=True)
+    gram = resolve_ns_method("auto", *shape, CPU) == "gram"
+    return Stack(*shape, COUNT, torch.bfloat16, CPU, dtype_free=True, gram=gram)
+
+
+def test_a_stack_the_rule_runs_by_gram_times_the_standard_iteration_against_it() -> None:
+    long, tall = _stack(SHAPES["long"]), _stack(SHAPES["tall"])
+    assert long.gram and not tall.gram
+    made = candidates(long)
+    assert made[0].path.gram and made[0].name == "bfloat16, Gram"  # the rule's first: ties keep it
+    standard = [c for c in made[1:] if not c.path.gram]
+    assert len(standard) == len(made) - 1 == len(candidates(tall))
+    assert not any(c.path.gram for c in candidates(tall))  # never Gram where the rule is standard
+    matrices = [(2, 800, 288, torch.bfloat16, CPU), (1, 384, 320, torch.bfloat16, CPU)]
+    assert [s.gram for s in stacks_of(matrices, "auto", True)] == [True, False]
+    assert [s.gram for s in stacks_of(matrices, "standard", True)] == [False, False]
+    assert stacks_of(matrices, "gram", True) == []  # named Gram: nothing to choose
+    keys = {ShapeSet.of(s).key for s in (long, dataclasses.replace(long, gram=False))}
+    assert len(keys) == 2
 
 
 def _forced(shape_name: str) -> list[tuple[str, str, Candidate]]:
@@ -290,7 +310,7 @@ def _tuned_once(cache_dir: Path) -> None:
     [
         (lambda text: text[: len(text) // 2], "cannot be read"),
         (lambda text: "[1, 2]", "not a path cache"),
-        (lambda text: text.replace('"format": 1', '"format": 0'), "format 0"),
+        (lambda text: text.replace(f'"format": {CACHE_FORMAT}', '"format": 0'), "format 0"),
         (lambda text: text.replace(torch.__version__, "1.0.0"), "torch '1.0.0'"),
         (lambda text: text.replace('"per_matrix": false', '"per_matrix": 3'), "malformed"),
     ],
@@ -310,7 +330,7 @@ def test_a_corrupt_or_stale_cache_is_ignored_with_one_warning_line_and_rewritten
     assert says in messages[0] and str(file) in messages[0]
     assert timed  # measured again
     rewritten = json.loads(file.read_text())
-    assert rewritten["format"] == 1 and rewritten["torch"] == torch.__version__
+    assert rewritten["format"] == CACHE_FORMAT and rewritten["torch"] == torch.__version__
     assert len(rewritten["entries"]) == 3
 
 
@@ -372,7 +392,7 @@ def test_tuning_runs_once_per_group_when_it_is_decided_never_at_a_later_step(
     assert len(calls) == 3 and report is not None and len(report.shapes) == 3
 
 
-def test_a_kept_path_replaces_the_tables_for_the_standard_iteration_only() -> None:
+def test_a_kept_path_replaces_the_tables_where_the_method_allows_it() -> None:
     ws = Workspace()
     table = ws.path("auto", 96, 64, torch.float32, CPU)  # decided, then kept
     tuned = StackPath(gram=False, per_matrix=False, poly_transposed=not table.poly_transposed,
@@ -383,8 +403,9 @@ def test_a_kept_path_replaces_the_tables_for_the_standard_iteration_only() -> No
     assert ws.path("auto", 96, 64, torch.bfloat16, CPU) == stack_path(
         "auto", 96, 64, torch.bfloat16, CPU
     )
-    ws.keep_path(96, 24, torch.float32, CPU, tuned)
-    assert ws.path("auto", 96, 24, torch.float32, CPU).gram  # Gram stays the rule's
+    ws.keep_path(96, 24, torch.float32, CPU, tuned)  # the standard iteration over the rule's Gram
+    assert ws.path("auto", 96, 24, torch.float32, CPU) == tuned
+    assert ws.path("gram", 96, 24, torch.float32, CPU).gram  # a named Gram stays Gram
     ws.clear()  # buffers go, kept paths stay
     assert ws.path("auto", 96, 64, torch.float32, CPU) == tuned
 
@@ -399,7 +420,8 @@ def test_the_cost_of_tuning_a_transformer_is_measured_and_reported(
     from benchmarks.common import transformer_shapes
 
     shapes = Counter(transformer_shapes(256, 2))
-    stacks = [Stack(r, c, n, torch.bfloat16, CPU, dtype_free=True) for (r, c), n in shapes.items()]
+    matrices = [(n, r, c, torch.bfloat16, CPU) for (r, c), n in shapes.items()]
+    stacks = stacks_of(matrices, "auto", dtype_free=True)  # the MLP's by Gram's rule, timed too
     report = tune(stacks, Tuning.ON, PathCache(cache_dir))
     assert report.cost_s > 0 and not report.cached
     assert sum(s.cost_s for s in report.shapes) <= report.cost_s

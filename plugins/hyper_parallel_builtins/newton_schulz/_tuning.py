@@ -8,8 +8,11 @@ batched or per matrix, ``P @ X`` or ``P^T @ X``, a tall stack transposed or
 read through a view, and float32 where the default dtype is lower precision),
 keeps the fastest, and writes it to a :class:`PathCache` in the per-user cache
 directory, so a later run on the same machine reads it and measures nothing.
-Every candidate computes the same numbers up to the iteration's own rounding;
-Gram against the standard iteration stays the rule of ``resolve_ns_method``.
+Every candidate computes the same numbers up to the iteration's own rounding.
+Where ``ns_method="auto"``'s rule picks Gram Newton-Schulz, the rule's Gram
+path is timed against the standard candidates: the standard iteration is what
+Gram approximates, so choosing it never loses precision. A stack the rule runs
+by the standard iteration never gets Gram (its numbers differ more).
 
 ``$HYPER_PARALLEL_NS_TUNING`` (:class:`Tuning`) turns it on (the default),
 off (the table decides, bitwise as before) or to measure again.
@@ -18,6 +21,7 @@ off (the table decides, bitwise as before) or to measure again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import itertools
@@ -75,7 +79,7 @@ TUNING_ENV = "HYPER_PARALLEL_NS_TUNING"
 #: The cache file's name in the cache directory, and its format version: a file of
 #: another version (or written by another torch) is ignored and rewritten.
 CACHE_FILE = "ns_paths.json"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 #: Matrices of a stack each candidate is timed on (fewer where the stack has fewer):
 #: a subset, so tuning a stack costs a few of its iterations, not a few steps of it.
@@ -161,6 +165,8 @@ class Stack:
 
     ``dtype_free``: no one named the dtype (it is the device's default), so
     float32 may be chosen where it is faster than a lower-precision default.
+    ``gram``: ``ns_method="auto"``'s rule runs Gram Newton-Schulz here, so the
+    standard iteration may be chosen where it is faster.
     """
 
     rows: int
@@ -169,6 +175,7 @@ class Stack:
     dtype: torch.dtype
     device: torch.device
     dtype_free: bool = False
+    gram: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,21 +190,23 @@ class ShapeSet:
     count: int
     dtype: str
     dtype_free: bool
+    gram: bool
 
     @classmethod
     def of(cls, stack: Stack) -> ShapeSet:
         """The key of ``stack`` on this machine, now."""
         s = stack
         return cls(device_name(s.device), torch.__version__, torch.get_num_threads(),
-                   s.rows, s.cols, s.count, _dtype_name(s.dtype), s.dtype_free)  # fmt: skip
+                   s.rows, s.cols, s.count, _dtype_name(s.dtype), s.dtype_free, s.gram)  # fmt: skip
 
     @property
     def key(self) -> str:
         """The cache file's key."""
         free = ", float32 allowed" if self.dtype_free else ""
+        gram = ", Gram by rule" if self.gram else ""
         return (
             f"{self.device} | torch {self.torch_version} | {self.threads} threads | "
-            f"{self.rows}x{self.cols} x{self.count} | {self.dtype}{free}"
+            f"{self.rows}x{self.cols} x{self.count} | {self.dtype}{free}{gram}"
         )
 
 
@@ -207,14 +216,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to run the standard iteration on a stack: its dtype and :class:`StackPath`."""
+    """One way to run the iteration on a stack: its dtype and :class:`StackPath`."""
 
     dtype: torch.dtype
     path: StackPath
 
     @property
     def name(self) -> str:
-        """E.g. ``"bfloat16, per matrix, P^T @ X, tall transposed"``."""
+        """E.g. ``"bfloat16, per matrix, P^T @ X, tall transposed"`` or ``"bfloat16, Gram"``."""
+        if self.path.gram:
+            return f"{_dtype_name(self.dtype)}, Gram"
         parts = [
             _dtype_name(self.dtype),
             "per matrix" if self.path.per_matrix else "batched",
@@ -225,31 +236,34 @@ class Candidate:
         return ", ".join(parts)
 
     def as_json(self) -> dict[str, Any]:
-        p = self.path
-        return {"dtype": _dtype_name(self.dtype), "per_matrix": p.per_matrix,
-                "poly_transposed": p.poly_transposed, "tall_transposed": p.tall_transposed}  # fmt: skip
+        return {"dtype": _dtype_name(self.dtype), **dataclasses.asdict(self.path)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Candidate:
-        flags = [data[k] for k in ("per_matrix", "poly_transposed", "tall_transposed")]
+        flags = [data[f.name] for f in dataclasses.fields(StackPath)]
         dtype = getattr(torch, str(data["dtype"]), None)
         if not isinstance(dtype, torch.dtype) or not all(isinstance(f, bool) for f in flags):
             raise HyperParallelValueError(f"not a candidate: {dict(data)}")
-        return cls(dtype, StackPath(False, *flags))
+        return cls(dtype, StackPath(*flags))
 
 
 def candidates(stack: Stack) -> list[Candidate]:
-    """The ways the standard iteration can run ``stack``, all giving its numbers up to rounding.
+    """The ways the iteration can run ``stack``, all giving its numbers up to rounding.
 
-    Per matrix only where a symmetric product has more than one block of
-    :data:`SYMMETRIC_BLOCK_ROWS` (else it multiplies what one batched GEMM
-    does), a transposed layout only for tall stacks, float32 only where the
-    dtype is free and lower precision. Each dtype's first is the table's path.
+    The standard iteration's: per matrix only where a symmetric product has
+    more than one block of :data:`SYMMETRIC_BLOCK_ROWS` (else it multiplies
+    what one batched GEMM does), a transposed layout only for tall stacks,
+    float32 only where the dtype is free and lower precision; each dtype's
+    first is the table's path. A stack the rule runs by Gram
+    (:attr:`Stack.gram`) has the rule's Gram path first, then those.
     """
     free = stack.dtype_free and stack.dtype in _LOW_PRECISION
     pers = [False, True] if min(stack.rows, stack.cols) > SYMMETRIC_BLOCK_ROWS else [False]
     talls = [False, True] if stack.rows > stack.cols else [False]
     made = []
+    if stack.gram:
+        made.append(Candidate(stack.dtype, stack_path("gram", stack.rows, stack.cols, stack.dtype,
+                                                      stack.device)))  # fmt: skip
     for dtype in [stack.dtype, torch.float32] if free else [stack.dtype]:
         made.append(Candidate(dtype, stack_path("standard", stack.rows, stack.cols, dtype,
                                                 stack.device)))  # fmt: skip
@@ -452,14 +466,18 @@ def stacks_of(
 ) -> list[Stack]:
     """The stacks ``(count, rows, cols, dtype, device)`` matrices make, bucketed by all but count.
 
-    Only those the standard iteration runs under ``method`` (Gram stays the rule).
+    Under ``method="gram"`` none: the user chose Gram. Under ``"auto"``, a
+    stack its rule runs by Gram is marked :attr:`Stack.gram`.
     """
     counts: dict[tuple[int, int, torch.dtype, torch.device], int] = {}
     for count, rows, cols, dtype, device in matrices:
-        if resolve_ns_method(method, rows, cols, device) == "standard":
+        if method != "gram":
             key = (rows, cols, dtype, device)
             counts[key] = counts.get(key, 0) + count
-    return [Stack(r, c, n, dt, dev, dtype_free) for (r, c, dt, dev), n in counts.items()]
+    return [
+        Stack(r, c, n, dt, dev, dtype_free, gram=resolve_ns_method(method, r, c, dev) == "gram")
+        for (r, c, dt, dev), n in counts.items()
+    ]
 
 
 def _measure(stack: Stack) -> dict[str, tuple[Candidate, float]]:
@@ -472,8 +490,9 @@ def _measure(stack: Stack) -> dict[str, tuple[Candidate, float]]:
     def runner(candidate: Candidate) -> Callable[[], object]:
         def run() -> object:
             workspace.keep_path(*key, candidate.dtype, stack.device, candidate.path)
+            method = "gram" if candidate.path.gram else "standard"
             return newton_schulz_batched([sample], ASYM5_COEFFICIENTS, dtype=candidate.dtype,
-                                         method="standard", workspace=workspace)  # fmt: skip
+                                         method=method, workspace=workspace)  # fmt: skip
 
         return run
 

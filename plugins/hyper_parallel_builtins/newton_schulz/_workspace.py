@@ -57,23 +57,25 @@ class Workspace:
         """The path of ``(rows, cols)`` stacks, decided the first time one comes, then kept.
 
         The one :meth:`keep_path` was given for this shape, dtype and device
-        where ``method`` runs the standard iteration on it; else
-        :func:`stack_path`'s (the table's).
+        where ``method`` allows it: ``"auto"`` takes any kept path (the
+        standard iteration over its rule's Gram too), a named method only
+        one of its own kind. Else :func:`stack_path`'s (the table's).
         """
         key = (method, rows, cols, dtype, device)
         held = self._paths.get(key)
         if held is None:
             held = stack_path(method, rows, cols, dtype, device)
-            if not held.gram:
-                held = self._tuned.get((rows, cols, dtype, torch.device(device)), held)
+            tuned = self._tuned.get((rows, cols, dtype, torch.device(device)))
+            if tuned is not None and (method == "auto" or tuned.gram == held.gram):
+                held = tuned
             self._paths[key] = held
         return held
 
     def keep_path(
         self, rows: int, cols: int, dtype: torch.dtype, device: torch.device, path: StackPath
     ) -> None:
-        """Run the standard iteration on ``(rows, cols)`` stacks of ``dtype`` on ``device`` by
-        ``path`` from now on (a tuned choice); Gram stacks keep the rule's."""
+        """Run ``(rows, cols)`` stacks of ``dtype`` on ``device`` by ``path`` from now on
+        (a tuned choice), where their method allows it (:meth:`path`)."""
         device = torch.device(device)
         self._tuned[(rows, cols, dtype, device)] = path
         for key in [k for k in self._paths if k[1:] == (rows, cols, dtype, device)]:
