@@ -35,6 +35,7 @@ none). The loss curves of the full runs go to a PNG (``--loss-plot``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import statistics
 import sys
@@ -46,7 +47,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ROOT, Row, Settings, case_command
-from hyper_parallel import get_hyper_lr_scheduler, get_hyper_optimizer
+from hyper_parallel import AdamW, get_hyper_lr_scheduler, get_hyper_optimizer
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer import ChainedOptimizer
 from hyper_parallel.train.corpus import python_stdlib_corpus
@@ -94,7 +95,7 @@ class QualitySize:
     warmup_fraction: float = 0.05
     eval_every: int = 20
     eval_batches: int = 16
-    adamw_lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2)
+    adamw_lrs: tuple[float, ...] = (5e-4, 1e-3, 3e-3, 1e-2)
     budgets: tuple[float, ...] = (0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
     budgeted: tuple[str, ...] = (MUON_TUNED_ADAMW, MUON_DEFAULTS)
     seeds: tuple[int, ...] = (0,)
@@ -127,7 +128,7 @@ class QualitySize:
         return max(1, round(fraction * self.steps))
 
 
-#: The default size: 240 steps, three AdamW lrs, budgets 0.4 to 1.0 for two Muon configurations.
+#: The default size: 240 steps, four AdamW lrs, budgets 0.4 to 1.0 for two Muon configurations.
 DEFAULT = QualitySize()
 #: ``--quick``: 120 steps, budgets 0.6, 0.8 and 1.0 for Muon at the tuned AdamW lr, a smaller eval.
 QUICK = QualitySize(steps=120, eval_every=20, eval_batches=4, budgets=(0.6, 0.8, 1.0),
@@ -136,11 +137,17 @@ QUICK = QualitySize(steps=120, eval_every=20, eval_batches=4, budgets=(0.6, 0.8,
 
 @dataclass(frozen=True)
 class Configuration:
-    """One optimizer configuration: its key, how rows name it, and how it is built for a model."""
+    """One optimizer configuration: its key, how rows name it, and how it is built for a model.
+
+    ``same_as``: what it builds, resolved (``("muon", 0.001)``: Muon at its
+    defaults, the AdamW half at lr 1e-3); two configurations that build the
+    same optimizer share their runs. Empty: its own.
+    """
 
     key: str
     label: str
     build: Callable[[TinyGPT], torch.optim.Optimizer]
+    same_as: tuple[object, ...] = ()
 
 
 def _lr_text(lr: float) -> str:
@@ -158,19 +165,31 @@ def adamw(lr: float) -> Configuration:
     )
 
 
+#: HyperParallel's AdamW lr where none is given (the AdamW half of its defaults).
+ADAMW_DEFAULT_LR: float = inspect.signature(AdamW).parameters["lr"].default
+
+
 def muon_configurations(best_adamw_lr: float) -> list[Configuration]:
-    """HyperParallel's Muon + AdamW defaults, the AdamW half at ``best_adamw_lr``, torch's Muon."""
+    """HyperParallel's Muon + AdamW defaults, the AdamW half at ``best_adamw_lr``, torch's Muon.
+
+    Where ``best_adamw_lr`` is :data:`ADAMW_DEFAULT_LR` the first two build
+    the same optimizer (:attr:`Configuration.same_as`), so they share runs.
+    """
     best = _lr_text(best_adamw_lr)
     defaults = "Muon + AdamW, HyperParallel's defaults (muon={}, adamw={})"
     tuned = f"Muon + AdamW at the tuned AdamW lr (muon={{}}, adamw={{'lr': {best}}})"
     return [
         Configuration(
-            MUON_DEFAULTS, defaults, lambda model: get_hyper_optimizer(model, muon={}, adamw={})
+            MUON_DEFAULTS,
+            defaults,
+            lambda model: get_hyper_optimizer(model, muon={}, adamw={}),
+            same_as=("muon", ADAMW_DEFAULT_LR),
         ),
         Configuration(
             MUON_TUNED_ADAMW,
             tuned,
             lambda model: get_hyper_optimizer(model, muon={}, adamw={"lr": best_adamw_lr}),
+            same_as=("muon", best_adamw_lr),
         ),
         Configuration(
             TORCH_MUON,
@@ -287,6 +306,25 @@ def _run(configuration: Configuration, data: TokenizedText, size: QualitySize, s
     return Runs(configuration, steps, results)
 
 
+class _Trainer:
+    """Each configuration's runs at a number of steps, trained once: configurations that build
+    the same optimizer (:attr:`Configuration.same_as`) share them."""
+
+    def __init__(self, data: TokenizedText, size: QualitySize) -> None:
+        self.data, self.size = data, size
+        self._done: dict[tuple[tuple[object, ...], int], Runs] = {}
+
+    def __call__(self, configuration: Configuration, steps: int) -> Runs:
+        key = (configuration.same_as or (configuration.key,), steps)
+        held = self._done.get(key)
+        if held is None:
+            held = self._done[key] = _run(configuration, self.data, self.size, steps)
+        elif held.configuration != configuration:
+            print(f"quality: {configuration.label}, {steps} steps: the same optimizer as "
+                  f"{held.configuration.label}; its runs reused", file=sys.stderr, flush=True)  # fmt: skip
+        return dataclasses.replace(held, configuration=configuration)
+
+
 # ---------------------------------------------------------------- rows
 
 
@@ -303,10 +341,11 @@ def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
     print(f"quality: training on {data.source}", file=sys.stderr, flush=True)
     extra = [f"--seeds {len(size.seeds)}"] if len(size.seeds) > 1 else []
     command = case_command("quality", settings, *extra)
-    sweep = [_run(adamw(lr), data, size, size.steps) for lr in size.adamw_lrs]
+    trained = _Trainer(data, size)
+    sweep = [trained(adamw(lr), size.steps) for lr in size.adamw_lrs]
     best = min(sweep, key=lambda runs: runs.loss)
     best_lr = size.adamw_lrs[sweep.index(best)]
-    full = [*sweep, *(_run(c, data, size, size.steps) for c in muon_configurations(best_lr))]
+    full = [*sweep, *(trained(c, size.steps) for c in muon_configurations(best_lr))]
     where = f"{size.steps} steps of {size.batch_size} x {size.seq_len} tokens, python-stdlib"
     reference = f"{best.configuration.label} (the sweep's best)"
     for runs in full:
@@ -320,12 +359,10 @@ def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
     _plot_and_say(full, Path(settings.extra.get("loss_plot", DEFAULT_LOSS_PLOT)))
     by_key = {runs.configuration.key: runs for runs in full}
     for key in size.budgeted:  # in the order they are given
-        yield from _budget_rows(by_key[key], best, data, size, command)
+        yield from _budget_rows(by_key[key], best, trained, command)
 
 
-def _budget_rows(
-    full: Runs, best: Runs, data: TokenizedText, size: QualitySize, command: str
-) -> Iterator[Row]:
+def _budget_rows(full: Runs, best: Runs, trained: _Trainer, command: str) -> Iterator[Row]:
     """``full``'s configuration by budget, smallest first until one reaches ``best``'s final loss.
 
     One row per budget run, then the steps-to-target row: the steps of the
@@ -334,9 +371,10 @@ def _budget_rows(
     """
     label = full.configuration.label
     reached: Runs | None = None
+    size = trained.size
     for fraction in sorted(size.budgets):
         steps = size.budget_steps(fraction)
-        runs = full if steps == full.steps else _run(full.configuration, data, size, steps)
+        runs = trained(full.configuration, steps)
         yield Row(f"Training quality: final validation loss by budget, {label}",
                   f"{fraction:.2f} of the steps ({steps}), its own cosine", runs.loss,
                   f"{best.configuration.label}, {best.steps} steps", best.loss, "nats",
