@@ -92,6 +92,11 @@ SAMPLE_MATRICES = 2
 #: percent, not twofold.
 DROP_FACTOR = 2.0
 
+#: Another candidate replaces the table's path only where it took less than this
+#: fraction of the table's time: a candidate's time on the sample moves by several
+#: percent from one tuning to the next, so a smaller lead is as likely noise.
+SWITCH_BELOW = 0.95
+
 #: Dtypes below float32's precision, for which float32 is a candidate.
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -512,6 +517,13 @@ def _measure(stack: Stack) -> dict[str, tuple[Candidate, float]]:
     return {c.name: (c, t) for c, t in seconds.items()}
 
 
+def _chosen(measured: Sequence[tuple[Candidate, float]]) -> Candidate:
+    """The fastest candidate where it beats the table's (the first) by :data:`SWITCH_BELOW`."""
+    table, table_s = measured[0]
+    fastest, fastest_s = min(measured, key=lambda pair: pair[1])
+    return fastest if fastest_s < SWITCH_BELOW * table_s else table
+
+
 def _tune_here(stacks: Sequence[Stack], mode: Tuning, cache: PathCache | None) -> list[ShapeReport]:
     """Each stack's choice: the cache's, else measured (and kept in the cache)."""
     reports = []
@@ -523,7 +535,7 @@ def _tune_here(stacks: Sequence[Stack], mode: Tuning, cache: PathCache | None) -
             continue
         start = time.perf_counter()
         measured = _measure(stack)
-        chosen = min(measured.values(), key=lambda pair: pair[1])[0]  # ties: the table's path
+        chosen = _chosen(list(measured.values()))
         seconds = {name: t for name, (_, t) in measured.items()}
         reports.append(ShapeReport(stack, chosen, seconds, time.perf_counter() - start, False))
         if cache is not None:
