@@ -4,6 +4,7 @@ benchmark modules import each other without a circle."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import gc
 import json
 import subprocess
@@ -490,6 +491,29 @@ def test_the_quality_case_trains_each_configuration_and_finds_the_steps_to_adamw
     assert all(f"| {r.case} | {r.ours_label} |" in table for r in reached)
     assert plot.read_bytes().startswith(b"\x89PNG")
     assert "quality" in suite.CASES and "quality" not in suite.DEFAULT_CASES
+
+
+def test_quality_quick_is_the_smaller_size_and_prints_the_whole_table(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--cases quality --quick`` on a tiny model: QUICK's sweep, budgets and rows."""
+    corpus = synthetic_corpus(train_chars=20_000, val_chars=4_000)
+    monkeypatch.setattr(quality, "python_stdlib_corpus", lambda **kw: corpus)
+    tiny = dataclasses.replace(quality.QUICK, steps=10, batch_size=2, seq_len=16, dim=32, layers=1,
+                               heads=2, mlp_hidden=64, vocab_size=512, eval_every=5)  # fmt: skip
+    monkeypatch.setattr(quality, "QUICK", tiny)
+    settings = Settings(quick_flag="--quick", extra={"loss_plot": str(tmp_path / "l.png")})
+    rows = list(quality.case_quality(settings))
+    configurations = len(tiny.adamw_lrs) + 3  # the sweep, two Muon + AdamW, torch.optim.Muon
+    kinds = Counter(r.case.split(",")[0] for r in rows)
+    assert kinds["Training quality: final validation loss"] == configurations
+    assert kinds["Training quality: training throughput"] == configurations
+    (reached,) = [r for r in rows if r.case.startswith("Training quality: steps to")]
+    budgets = [r for r in rows if "by budget" in r.case and r.unit == "nats"]
+    assert 1 <= len(budgets) <= len(tiny.budgets) and reached.target == "<= 0.8"
+    assert reached.peer == tiny.steps and reached.unit == "steps"
+    assert all(r.command == "python -m benchmarks --cases quality --quick" for r in rows)
+    assert "| Training quality: steps to" in format_table(rows)
 
 
 def test_at_adamw_s_default_lr_the_tuned_muon_configuration_is_the_defaults_trained_once(
