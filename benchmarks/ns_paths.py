@@ -53,8 +53,9 @@ from hyper_parallel_builtins.newton_schulz import (
 )
 from hyper_parallel_builtins.newton_schulz._coefficients import ASYM5_COEFFICIENTS
 from hyper_parallel_builtins.newton_schulz._iterate import newton_schulz_batched
+from hyper_parallel_builtins.newton_schulz._path_cache import device_name
 from hyper_parallel_builtins.newton_schulz._paths import PER_MATRIX_FROM, StackPath, cpu_path
-from hyper_parallel_builtins.newton_schulz._tuning import SAMPLE_MATRICES, device_name
+from hyper_parallel_builtins.newton_schulz._tuning import SAMPLE_MATRICES
 from hyper_parallel_builtins.newton_schulz._workspace import Workspace
 
 __all__ = ["case_paths"]

@@ -41,8 +41,9 @@ from hyper_parallel_builtins.newton_schulz import (
     tune,
     tuning_from_env,
 )
+from hyper_parallel_builtins.newton_schulz._path_cache import CACHE_FORMAT, device_name
 from hyper_parallel_builtins.newton_schulz._paths import StackPath, resolve_ns_method, stack_path
-from hyper_parallel_builtins.newton_schulz._tuning import CACHE_FORMAT, SWITCH_BELOW
+from hyper_parallel_builtins.newton_schulz._tuning import SWITCH_BELOW
 
 CPU = torch.device("cpu")
 STEPS = 3
@@ -353,7 +354,7 @@ def test_the_key_holds_the_device_torch_threads_shape_and_dtype(
     cache_dir: Path, timed: list[str]
 ) -> None:
     key = ShapeSet.of(Stack(64, 48, 2, torch.bfloat16, CPU, dtype_free=True)).key
-    for part in (_tuning.device_name(CPU), torch.__version__,
+    for part in (device_name(CPU), torch.__version__,
                  f"{torch.get_num_threads()} threads", "64x48 x2", "bfloat16"):  # fmt: skip
         assert part in key, (part, key)
     others = [Stack(48, 64, 2, torch.bfloat16, CPU, True), Stack(64, 48, 3, torch.bfloat16, CPU, True),

@@ -86,6 +86,7 @@ _DECIDING = {
     "hyper_parallel_builtins/newton_schulz/_coefficients.py": "every function",
     "hyper_parallel_builtins/newton_schulz/_paths.py": "every function",
     "hyper_parallel_builtins/newton_schulz/_tuning.py": "every function",
+    "hyper_parallel_builtins/newton_schulz/_path_cache.py": "every function",
     "hyper_parallel/core/compat.py": "cpu_kind cpu_has_native_bf16 cpu_kind_of",
     "hyper_parallel/core/distributed/_backend.py": "resolve_backend __call__",
 }

@@ -27,6 +27,7 @@ stay in the private modules.
 
 from __future__ import annotations
 
+from hyper_parallel.core.options import CACHE_DIR_ENV, default_cache_dir
 from hyper_parallel_builtins.newton_schulz._coefficients import (
     COEFFICIENT_SETS,
     KELLER_COEFFICIENTS,
@@ -42,23 +43,23 @@ from hyper_parallel_builtins.newton_schulz._iterate import (
     newton_schulz_stack_,
     stack_into,
 )
+from hyper_parallel_builtins.newton_schulz._path_cache import (
+    Candidate,
+    PathCache,
+    ShapeSet,
+    Stack,
+)
 from hyper_parallel_builtins.newton_schulz._paths import resolve_ns_method
 from hyper_parallel_builtins.newton_schulz._team import (
     newton_schulz_team,
     newton_schulz_team_collectives,
 )
 from hyper_parallel_builtins.newton_schulz._tuning import (
-    CACHE_DIR_ENV,
     TUNING_ENV,
-    Candidate,
-    PathCache,
     ShapeReport,
-    ShapeSet,
-    Stack,
     Tuning,
     TuningReport,
     candidates,
-    default_cache_dir,
     parse_tuning,
     stacks_of,
     tune,
