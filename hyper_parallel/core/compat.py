@@ -8,8 +8,10 @@ these helpers rather than torch's private names.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,8 +28,8 @@ from torch._C._distributed_c10d import TCPStore as TCPStore
 from hyper_parallel.core.errors import HyperParallelValueError
 
 # The helpers plugins use. The rest of this module (DCP's FQNs, FSDP2's param groups,
-# DTensor's strided shard, the optimizer hook dicts, torchrun's stores) serves core's own
-# modules, which import it from here.
+# DTensor's strided shard, the optimizer hook dicts, torchrun's stores, gloo's worker
+# threads) serves core's own modules, which import it from here.
 __all__ = [
     "cpu_has_native_bf16",
     "cpu_kind",
@@ -229,3 +231,52 @@ def optimizer_hook_dict(optimizer: torch.optim.Optimizer, kind: str) -> dict[Any
         raise HyperParallelValueError(f"no optimizer hook kind {kind!r}; one of {OPTIMIZER_HOOKS}")
     hooks: dict[Any, Any] = getattr(optimizer, f"_optimizer_{kind}_hooks")
     return hooks
+
+
+# -- process exit under gloo ---------------------------------------------------------
+
+#: The name torch gives the threads that run a gloo process group's collectives.
+_GLOO_WORKER_THREAD = "pt_gloo_runloop"
+
+#: How long a process with gloo workers hands them the GIL before the interpreter stops.
+GLOO_SETTLE_S = 0.05
+
+
+def gloo_workers_alive() -> bool:
+    """Whether this process has threads running gloo collectives.
+
+    A gloo group's worker threads outlive ``destroy_process_group`` for as
+    long as a ``DeviceMesh`` or an FSDP module refers to the group. Read from
+    ``/proc`` where there is one; elsewhere, whether a group is still up.
+    """
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return torch.distributed.is_available() and torch.distributed.is_initialized()
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                if comm.read().strip() == _GLOO_WORKER_THREAD:
+                    return True
+        except OSError:  # the thread ended while we looked
+            continue
+    return False
+
+
+def let_gloo_workers_finish() -> None:
+    """Give gloo's worker threads the GIL before Python shuts down, so the process exits cleanly.
+
+    A gloo worker frees each collective's tensors after the caller's ``wait``
+    has returned. Where the caller has already dropped them, freeing takes the
+    GIL; a worker that asks for it once the interpreter is finalizing is ended
+    mid-destructor, and the process aborts with "terminate called without an
+    active exception" after all its work is done. Sleeping here, while the
+    interpreter is still whole, lets any such worker finish first.
+    """
+    if gloo_workers_alive():
+        time.sleep(GLOO_SETTLE_S)
+
+
+# At import, so that it runs after every exit handler registered later (the teardown of a
+# process group init_device_mesh brought up among them); without gloo it is a no-op.
+atexit.register(let_gloo_workers_finish)
