@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import sys
@@ -250,6 +251,35 @@ def _collective_bytes(kind: str, elements: int, members: int) -> float:
     return 2 * steps / members * elements
 
 
+@dataclass(frozen=True)
+class _MemberPieces:
+    """What one team member of one matrix takes from each shard: elements, and who has any."""
+
+    per_shard: torch.Tensor  # int64, one entry per shard; read only (shared by the cache)
+    nonzero: tuple[tuple[int, int], ...]  # (shard, elements) of the shards that give any
+
+
+@functools.cache
+def _member_pieces(height: int, cols: int, shards: int, size: int, k: int,
+                   along_rows: bool) -> _MemberPieces:  # fmt: skip
+    """Member ``k`` of ``size``'s band of a ``height x cols`` matrix, cut by ``Shard(0)``.
+
+    Thousands of matrices share a shape (experts, layers), so each shape's
+    answer is worked out once.
+    """
+    shard_rows = _shard_rows(height, shards)
+    length = height if along_rows else cols
+    lo, hi = k * length // size, (k + 1) * length // size
+    if along_rows:
+        starts = itertools.accumulate(shard_rows[:-1], initial=0)
+        pieces = [max(0, min(a + n, hi) - max(a, lo)) * cols
+                  for a, n in zip(starts, shard_rows, strict=True)]  # fmt: skip
+    else:
+        pieces = [n * (hi - lo) for n in shard_rows]
+    nonzero = tuple((s, n) for s, n in enumerate(pieces) if n)
+    return _MemberPieces(torch.tensor(pieces, dtype=torch.int64), nonzero)
+
+
 def _bucket_trips(items: list[tuple[int, torch.Size, int, int | None]], ranks: int, shards: int,
                   size: int) -> tuple[Trip, Trip, torch.Tensor]:  # fmt: skip
     """One bucket in a group of ``ranks // shards`` replica rows: trips, and the spread's widths.
@@ -266,25 +296,16 @@ def _bucket_trips(items: list[tuple[int, torch.Size, int, int | None]], ranks: i
     given = torch.zeros(ranks // shards, shards, dtype=torch.int64)
     works = []
     for _, (height, cols), owner, dim in items:
-        shard_rows = _shard_rows(height, shards)
-        starts = [sum(shard_rows[:s]) for s in range(shards)]
         along_rows = size == 1 or dim == 0
-        length = height if along_rows else cols
         for k in range(size):
             member = owner * size + k
             row = member // shards
-            lo, hi = k * length // size, (k + 1) * length // size
-            if along_rows:
-                pieces = torch.tensor([max(0, min(a + n, hi) - max(a, lo)) * cols
-                                       for a, n in zip(starts, shard_rows, strict=True)])  # fmt: skip
-            else:
-                pieces = torch.tensor([n * (hi - lo) for n in shard_rows])
-            senders = []
-            for s in torch.nonzero(pieces).flatten().tolist():
-                sender = member if member % shards == s else s + shards * row
-                senders.append((sender, int(pieces[s])))
-            works.append((member, senders, pieces[by_shard] * (rows == row)))
-            given[row] += pieces
+            pieces = _member_pieces(height, cols, shards, size, k, along_rows)
+            senders = [
+                (member if member % shards == s else s + shards * row, n) for s, n in pieces.nonzero
+            ]
+            works.append((member, senders, pieces.per_shard[by_shard] * (rows == row)))
+            given[row] += pieces.per_shard
     to, back = exchange_trips(works, ranks)
     return to, back, given.max(0).values
 

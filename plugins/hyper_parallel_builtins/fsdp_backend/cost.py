@@ -428,10 +428,14 @@ def _team_choice(
         if world % size:
             continue
         link = team_link(profile, size, node_size or world)
-        seconds = [
-            team_seconds(team.cost(s, size), team.collectives(s, size), size, element_size, r, link)
-            for s, r in zip(shapes, rates, strict=True)
-        ]
+        # Models repeat a few shapes thousands of times (layers, experts): one answer per shape.
+        per_shape = {
+            (s, r): team_seconds(
+                team.cost(s, size), team.collectives(s, size), size, element_size, r, link
+            )
+            for s, r in dict.fromkeys(zip(shapes, rates, strict=True))
+        }
+        seconds = [per_shape[key] for key in zip(shapes, rates, strict=True)]
         busiest = _busiest(seconds, world // size)
         if busiest < (1 - TEAM_MIN_GAIN) * best_seconds:
             best, best_seconds = size, busiest
