@@ -22,9 +22,14 @@ from hyper_parallel_builtins.muon._options import NS_DTYPE_ENV, default_ns_dtype
 from hyper_parallel_builtins.newton_schulz import (
     COEFFICIENT_SETS,
     KELLER_COEFFICIENTS,
+    Workspace,
+    new_stack,
     newton_schulz,
     newton_schulz_batched,
+    newton_schulz_stack_,
+    normalize_,
     resolve_coefficients,
+    stack_into,
 )
 from hyper_parallel_builtins.newton_schulz._iterate import newton_schulz_flops
 from hyper_parallel_builtins.newton_schulz._paths import (
@@ -254,6 +259,32 @@ def test_loads_a_torch_muon_state_dict_and_continues_the_same() -> None:
     opt_theirs.step()
     opt_ours.step()
     assert relative_error(ours.detach(), theirs.detach(), before) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("shape", [(3, 96, 40), (3, 40, 96), (2, 64, 64)])
+def test_a_stack_normalized_part_by_part_as_it_fills_gives_the_same_bits(
+    dtype: torch.dtype, method: str, shape: tuple[int, int, int]
+) -> None:
+    """Muon normalizes each param's part of a stack as it writes it; the results are those of
+    the iteration normalizing the whole stack, bit for bit (tall stacks laid out transposed too)."""
+    torch.manual_seed(0)
+    parts = [torch.randn(1, *shape[1:]) * 10**k for k in range(shape[0])]
+    coefficients = resolve_coefficients("keller", 5)
+    results = []
+    for by_part in (False, True):
+        workspace = Workspace()
+        stack = new_stack(shape, dtype, torch.device("cpu"), workspace, method)
+        for part, matrix in zip(stack.split(1), parts, strict=True):
+            stack_into(part, matrix, workspace)
+            if by_part:
+                normalize_(part, 1e-7, eps_added=True)
+        result = newton_schulz_stack_(stack, coefficients, eps=1e-7, eps_added=True,
+                                      method=method, workspace=workspace, normalized=by_part)  # fmt: skip
+        results.append(result.clone())
+    assert torch.equal(results[0], results[1])
+    assert results[0].dtype == dtype and results[0].shape == shape
 
 
 # -- Newton-Schulz dtype -------------------------------------------------------

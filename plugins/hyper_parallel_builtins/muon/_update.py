@@ -48,6 +48,7 @@ from hyper_parallel_builtins.newton_schulz import (
     new_stack,
     newton_schulz_flops,
     newton_schulz_stack_,
+    normalize_,
     resolve_ns_method,
     stack_into,
 )
@@ -466,6 +467,8 @@ class BlockTransform:
             )
             for i, part in zip(indices, stack.split(counts), strict=True):
                 fill(i, part)
+                if self.zeropower_fn is None:  # while the part is in cache
+                    normalize_(part, self.settings.eps, self.settings.eps_added)
             result = self._newton_schulz(stack)
             scale = self.settings.scale(rows, cols, lr)
             for i, part in zip(indices, result.split(counts), strict=True):
@@ -487,6 +490,7 @@ class BlockTransform:
                 eps_added=self.settings.eps_added,
                 method=self.group["ns_method"],
                 workspace=self.workspace,
+                normalized=True,
             )
         given = stack[0] if stack.shape[0] == 1 else stack
         result = self.zeropower_fn(given, steps=self.group["ns_steps"])

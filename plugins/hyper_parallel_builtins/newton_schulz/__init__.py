@@ -16,10 +16,10 @@ two rules: ``max(||X||, eps)`` (``torch.optim.Muon``) or ``||X|| + eps``
 (HyperParallel's ``ns_epsilon``); ``eps_added`` picks the second.
 
 Exported: the iteration on a matrix, a list or a stack (``newton_schulz``,
-``newton_schulz_batched``, ``newton_schulz_stack_`` with ``new_stack`` and
-``stack_into``), a team of ranks' iteration, the coefficient sets, the FLOP
-count and Gram choice, the :class:`Workspace` that keeps buffers (and each
-stack's path) across steps, and the tuning that measures the paths on this
+``newton_schulz_batched``, ``newton_schulz_stack_`` with ``new_stack``,
+``stack_into`` and ``normalize_``), a team of ranks' iteration, the
+coefficient sets, the FLOP count and Gram choice, the :class:`Workspace`
+that keeps buffers (and each stack's path) across steps, and the tuning that measures the paths on this
 machine (:func:`tune`, :class:`PathCache`, :data:`TUNING_ENV`): what an
 optimizer built on the iteration calls. The path tables and tuning constants
 stay in the private modules.
@@ -41,6 +41,7 @@ from hyper_parallel_builtins.newton_schulz._iterate import (
     newton_schulz_batched,
     newton_schulz_flops,
     newton_schulz_stack_,
+    normalize_,
     stack_into,
 )
 from hyper_parallel_builtins.newton_schulz._path_cache import (
@@ -91,6 +92,7 @@ __all__ = [
     "newton_schulz_stack_",
     "newton_schulz_team",
     "newton_schulz_team_collectives",
+    "normalize_",
     "parse_tuning",
     "resolve_coefficients",
     "resolve_ns_method",
