@@ -19,9 +19,9 @@ Exported: the iteration on a matrix, a list or a stack (``newton_schulz``,
 ``newton_schulz_batched``, ``newton_schulz_stack_`` with ``new_stack``,
 ``stack_into`` and ``normalize_``), a team of ranks' iteration, the
 coefficient sets, the FLOP count and Gram choice, the :class:`Workspace`
-that keeps buffers (and each stack's path) across steps, and the tuning that measures the paths on this
-machine (:func:`tune`, :class:`PathCache`, :data:`TUNING_ENV`): what an
-optimizer built on the iteration calls. The path tables and tuning constants
+that keeps buffers (and each stack's path) across steps, and the tuning
+that measures the paths on this machine (:func:`tune`, :class:`PathCache`,
+:data:`TUNING_ENV`): what an optimizer built on the iteration calls. The path tables and tuning constants
 stay in the private modules.
 """
 

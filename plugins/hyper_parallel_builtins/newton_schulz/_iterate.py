@@ -72,8 +72,8 @@ def normalize_(x: Tensor, eps: float = 1e-7, eps_added: bool = False) -> Tensor:
     caller that fills a stack part by part can do it to each part as it is
     written, while the part is still in cache, and then pass
     ``normalized=True`` to :func:`newton_schulz_stack_`: the same numbers, bit
-    for bit, in one pass less over memory (7 ms of a 290 ms Muon step at
-    d=512 x 4 blocks on one CPU thread).
+    for bit, for one pass less over memory (11-15 ms of a 300-320 ms Muon
+    step at d=512 x 4 blocks on one CPU thread).
     """
     norms = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
     return x.div_(norm_divisor(norms, eps, eps_added))
@@ -106,9 +106,10 @@ def _iterate_(
     ``path`` is the stack's (:func:`~hyper_parallel_builtins.newton_schulz._workspace.path_of`),
     else decided here.
 
-    ``x`` must be a tensor the caller owns (each matrix already divided by
-    its norm, :func:`normalize_`): it is used as one of the two buffers the iterates alternate between, so the
-    result is ``x`` itself or one other stack of its shape. The other stack
+    ``x`` must be a tensor the caller owns, each matrix already divided by
+    its norm (:func:`normalize_`): it is one of the two buffers the iterates
+    alternate between, so the result is ``x`` itself or one other stack of
+    its shape. The other stack
     and the Gram and polynomial buffers come from ``ws`` (else they are
     allocated once per call, not per iteration): fresh large tensors cost
     page faults on CPU (measured: docs/benchmarks.md, "What the iteration's
@@ -226,10 +227,11 @@ def _iterate_gram_(
     ``4 rows^2 cols``. The polynomial applied is the same, so the result
     equals :func:`_iterate_`'s up to rounding.
 
-    ``x`` (batch, rows, cols), ``rows <= cols``, normalized (:func:`normalize_`),
-    is any stack the caller owns, a transposed view included: it is read
-    only in products. The result is another stack laid out as ``x`` (or ``x`` itself
-    after no steps); with ``ws``, every buffer is the workspace's.
+    ``x`` (batch, rows, cols), ``rows <= cols``, normalized
+    (:func:`normalize_`), is any stack the caller owns, a transposed view
+    included: it is read only in products. The result is another stack laid
+    out as ``x`` (or ``x`` itself after no steps); with ``ws``, every buffer
+    is the workspace's.
     """
     square = (x.shape[0], x.shape[1], x.shape[1])
     gram = torch.bmm(x, x.mT, out=new_buffer(ws, "gram", square, x))
