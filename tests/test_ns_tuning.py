@@ -205,7 +205,7 @@ def test_a_stack_the_rule_runs_by_gram_times_the_standard_iteration_against_it()
     long, tall = _stack(SHAPES["long"]), _stack(SHAPES["tall"])
     assert long.gram and not tall.gram
     made = candidates(long)
-    assert made[0].path.gram and made[0].name == "bfloat16, Gram"  # the rule's first: ties keep it
+    assert made[0].path.gram and made[0].name == "bfloat16, Gram"  # the rule's path first
     standard = [c for c in made[1:] if not c.path.gram]
     assert len(standard) == len(made) - 1 == len(candidates(tall))
     assert not any(c.path.gram for c in candidates(tall))  # never Gram where the rule is standard
@@ -314,6 +314,26 @@ def test_another_path_replaces_the_tables_only_where_it_is_clearly_faster(
     (shape,) = tune([stack], Tuning.ON, PathCache(tmp_path)).shapes
     assert shape.seconds[other] == lead  # measured and reported either way
     assert shape.chosen.name == (other if wins else table)
+
+
+@pytest.mark.parametrize(
+    ("gram_s", "standard_s", "chosen"),
+    [(1.0, 0.98, "standard"), (1.0, 1.03, "standard"), (0.90, 1.0, "Gram")],
+    ids=["standard-faster", "tie-within-5%", "gram-clearly-faster"],
+)
+def test_where_the_rule_runs_gram_a_tie_goes_to_the_standard_iteration(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, gram_s: float, standard_s: float, chosen: str
+) -> None:
+    """Gram approximates the standard iteration: it is kept only where clearly faster."""
+    stack = _stack(SHAPES["long"])
+    gram, *standard = [c.name for c in candidates(stack)]
+    assert stack.gram and "Gram" in gram
+    fastest_standard = standard[1]  # not the table's standard path: the fastest one is the bar
+    times = {gram: gram_s, fastest_standard: standard_s}
+    monkeypatch.setattr(_tuning, "seconds_of", lambda c, run, device: times.get(c.name, 1.5))
+    (shape,) = tune([stack], Tuning.ON, PathCache(tmp_path)).shapes
+    expected = gram if chosen == "Gram" else fastest_standard
+    assert shape.chosen.name == expected, shape.seconds
 
 
 def _tuned_once(cache_dir: Path) -> None:
