@@ -74,11 +74,11 @@ def _gpt(sizes: Sizes, device: str) -> tuple[nn.Module, str, int]:
     """The model ``hyper-parallel train`` builds at ``sizes.train``; its description and batch."""
     from hyper_parallel.train.config import TrainConfig
     from hyper_parallel.train.data import SYNTHETIC_ALPHABET
-    from hyper_parallel.train.run import _build_model
+    from hyper_parallel.train.model import TinyGPT
 
     config = TrainConfig(**{**sizes.train, "seq_len": max(sizes.seq_lens)})
     torch.manual_seed(0)
-    model = _build_model(config, len(SYNTHETIC_ALPHABET)).to(device)
+    model = TinyGPT(config.model(len(SYNTHETIC_ALPHABET))).to(device)
     what = f"TinyGPT (d={config.dim}, {config.layers} blocks, {config.heads} heads, sdpa)"
     return model, what, config.batch_size
 

@@ -82,7 +82,7 @@ class TinyDecoder(TinyGPT):
                 layers=config.num_layers,
                 heads=config.num_heads,
                 qkv_bias=True,
-                learned_positions=False,
+                positions="none",
                 init_std=None,
             )
         )

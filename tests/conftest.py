@@ -135,7 +135,7 @@ class TinyLM(TinyGPT):
                 heads=1,
                 qkv_bias=qkv_bias,
                 tied_embeddings=tied,
-                learned_positions=False,
+                positions="none",
                 init_std=None,
             )
         )

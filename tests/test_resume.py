@@ -157,6 +157,7 @@ def test_a_resume_of_a_finished_run_changes_nothing(
         (["--partitioner", "by_family"], "was made with --partitioner by_shape"),
         (["--dim", "64"], "--dim 64: the checkpoint {ckpt} was made with --dim 32"),
         (["--tied-embeddings"], "--tied-embeddings: the checkpoint {ckpt} was made with no --tied-embeddings"),
+        (["--positions", "rotary"], "--positions rotary: the checkpoint {ckpt} was made with --positions learned; pass that"),
     ],
 )  # fmt: skip
 def test_a_resume_that_would_change_the_numbers_is_refused_naming_the_flag(

@@ -18,6 +18,7 @@ from typing import Any
 
 from hyper_parallel.core.errors import HyperParallelError, HyperParallelValueError
 from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, get_registry
+from hyper_parallel.train.model import GPTConfig, Positions
 
 __all__ = [
     "MUON_ADAMW",
@@ -173,6 +174,15 @@ class TrainConfig:
     tied_embeddings: bool = field(
         default=False, metadata=_option("share the embedding and lm_head weights", recorded=True)
     )
+    positions: str = field(
+        default=Positions.LEARNED.value,
+        metadata=_option(
+            "how the model tells positions apart: 'learned' (a position table, the default), "
+            "'rotary' (RoPE, as in Llama) or 'none'",
+            choices=tuple(p.value for p in Positions),
+            recorded=True,
+        ),
+    )
     eval_every: int = field(
         default=25,
         metadata=_option("validation interval in steps (default: %(default)s)", positive=True),
@@ -272,6 +282,20 @@ class TrainConfig:
     def warmup(self) -> int:
         """The warmup steps in effect: ``--warmup-steps``, else 5% of ``--steps`` (at least 1)."""
         return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
+
+    def model(self, vocab_size: int) -> GPTConfig:
+        """The decoder these options train on a corpus of ``vocab_size`` tokens (its SwiGLU
+        width 8/3 of ``dim``, rounded up to a multiple of 32)."""
+        return GPTConfig(
+            vocab_size=vocab_size,
+            seq_len=self.seq_len,
+            dim=self.dim,
+            layers=self.layers,
+            heads=self.heads,
+            mlp_hidden=-(-8 * self.dim // 3 // 32) * 32,
+            tied_embeddings=self.tied_embeddings,
+            positions=self.positions,
+        )
 
     def validate(self) -> None:
         """Raise :class:`TrainError` for the first unusable option."""

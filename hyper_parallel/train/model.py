@@ -1,8 +1,9 @@
 """A small GPT-style decoder named the way Llama/Qwen checkpoints are.
 
 Attention projections ``q_proj/k_proj/v_proj/o_proj``, a SwiGLU MLP
-``gate_proj/up_proj/down_proj``, RMSNorm, learned positions, and a tied or
-untied ``lm_head``: the layout the user guide's param split expects.
+``gate_proj/up_proj/down_proj``, RMSNorm, positions learned (GPT-2's table),
+rotary (Llama's) or none, and a tied or untied ``lm_head``: the layout the
+user guide's param split expects.
 
 The one toy decoder of the project: ``hyper-parallel train`` trains it,
 :func:`hyper_parallel.testing.check_partitioner` splits it, and the tests
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from enum import Enum
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -24,7 +26,18 @@ from torch.nn import functional as F
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.qk_clip import QKLayout
 
-__all__ = ["DecoderBlock", "GPTConfig", "RMSNorm", "TinyGPT"]
+__all__ = ["DecoderBlock", "GPTConfig", "Positions", "RMSNorm", "Rotary", "TinyGPT"]
+
+
+class Positions(str, Enum):
+    """How :class:`TinyGPT` tells token positions apart."""
+
+    #: A learned table added to the token embeddings (GPT-2); it limits sequences to ``seq_len``.
+    LEARNED = "learned"
+    #: Each head's queries and keys rotated by their position (RoPE, as in Llama); no limit.
+    ROTARY = "rotary"
+    #: Nothing but the causal mask; no limit.
+    NONE = "none"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,12 +52,25 @@ class GPTConfig:
     mlp_hidden: int = 352
     tied_embeddings: bool = False
     qkv_bias: bool = False
-    learned_positions: bool = True  # False: no ``embed_positions``, and no length limit
+    positions: Positions | str = Positions.LEARNED  # a name ("rotary") is made a Positions
+    rope_theta: float = 10000.0  # the base of the rotary frequencies (Llama's)
     init_std: float | None = 0.02  # GPT-2's init (see TinyGPT); None: PyTorch's default init
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "positions", Positions(self.positions))
+        except ValueError:
+            choices = ", ".join(repr(p.value) for p in Positions)
+            raise HyperParallelValueError(
+                f"positions={self.positions!r} is not one of {choices}"
+            ) from None
         if self.dim % self.heads:
             raise HyperParallelValueError(f"dim={self.dim} is not divisible by heads={self.heads}")
+        if self.positions is Positions.ROTARY and (self.dim // self.heads) % 2:
+            raise HyperParallelValueError(
+                f"rotary positions need an even head size, got dim={self.dim} / "
+                f"heads={self.heads} = {self.dim // self.heads}; change dim or heads"
+            )
         for name in ("vocab_size", "seq_len", "dim", "layers", "heads", "mlp_hidden"):
             if getattr(self, name) < 1:
                 raise HyperParallelValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -60,6 +86,28 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Rotary(NamedTuple):
+    """The cosines and sines that rotate a sequence's queries and keys, ``(seq, head_dim)`` each."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def of(cls, seq: int, head_dim: int, theta: float, device: torch.device) -> Rotary:
+        """Llama's rotation: pair ``i`` of a head (dims ``i`` and ``i + head_dim / 2``) turns
+        by ``position * theta ** (-2 i / head_dim)``."""
+        half = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+        angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), theta**-half)
+        angles = torch.cat((angles, angles), dim=-1)
+        return cls(angles.cos(), angles.sin())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` of shape ``(batch, heads, seq, head_dim)``, each position rotated."""
+        first, second = x.chunk(2, dim=-1)
+        turned = torch.cat((-second, first), dim=-1)
+        return x * self.cos.to(x.dtype) + turned * self.sin.to(x.dtype)
 
 
 class DecoderBlock(nn.Module):
@@ -98,7 +146,8 @@ class DecoderBlock(nn.Module):
             key_bias="k_proj.bias" if bias else None,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary | None = None) -> torch.Tensor:
+        """``x`` of shape ``(batch, seq, dim)``; ``rotary`` turns the queries and keys."""
         b, t, d = x.shape
         attention_norm, mlp_norm = (self.get_submodule(name) for name in self.norm_names)
         h = attention_norm(x)
@@ -107,9 +156,10 @@ class DecoderBlock(nn.Module):
             out: torch.Tensor = proj(h)
             return out.view(b, t, self.heads, d // self.heads).transpose(1, 2)
 
-        att = self.attention(
-            heads(self.q_proj), heads(self.k_proj), heads(self.v_proj), is_causal=True
-        )
+        q, k = heads(self.q_proj), heads(self.k_proj)
+        if rotary is not None:
+            q, k = rotary(q), rotary(k)
+        att = self.attention(q, k, heads(self.v_proj), is_causal=True)
         x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, d))
         h = mlp_norm(x)
         mlp: torch.Tensor = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -126,7 +176,7 @@ class TinyGPT(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
-        if config.learned_positions:
+        if config.positions is Positions.LEARNED:
             self.embed_positions = nn.Embedding(config.seq_len, config.dim)
         self.layers = nn.ModuleList(
             self.block_type(config.dim, config.mlp_hidden, config.qkv_bias, heads=config.heads)
@@ -160,16 +210,19 @@ class TinyGPT(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits of shape ``(batch, seq, vocab)`` for token ids ``(batch, seq)``."""
+        config, t = self.config, ids.shape[1]
         x = self.embed_tokens(ids)
-        if self.config.learned_positions:
-            t = ids.shape[1]
-            if t > self.config.seq_len:
+        rotary = None
+        if config.positions is Positions.LEARNED:
+            if t > config.seq_len:
                 raise HyperParallelValueError(
-                    f"sequence of {t} tokens is longer than seq_len={self.config.seq_len}"
+                    f"sequence of {t} tokens is longer than seq_len={config.seq_len}"
                 )
             x = x + self.embed_positions(torch.arange(t, device=ids.device))
+        elif config.positions is Positions.ROTARY:
+            rotary = Rotary.of(t, config.dim // config.heads, config.rope_theta, ids.device)
         for block in self.layers:
-            x = block(x)
+            x = block(x, rotary)
         logits: torch.Tensor = self.lm_head(self.norm(x))
         return logits
 

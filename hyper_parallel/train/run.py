@@ -28,7 +28,7 @@ from hyper_parallel.core.plugin import OptimizerEntry, PluginKind, get_registry
 from hyper_parallel.train.config import MUON_ADAMW, TrainConfig, TrainError
 from hyper_parallel.train.data import TokenizedText, batches
 from hyper_parallel.train.divergence import DivergenceWatch
-from hyper_parallel.train.model import GPTConfig, TinyGPT
+from hyper_parallel.train.model import TinyGPT
 from hyper_parallel.train.placement import Placement
 from hyper_parallel.train.preflight import resume_record, run_folder
 from hyper_parallel.train.qk_log import QKClipFigures, track_for_clip
@@ -274,7 +274,7 @@ class _Run:
     ) -> _Run:
         """A fresh model, its optimizer and schedule, resumed from a checkpoint if asked."""
         torch.manual_seed(config.seed)
-        model = _build_model(config, data.vocab_size)
+        model = TinyGPT(config.model(data.vocab_size))
         if placement.backend is not None:
             placement.backend.shard_model(model, mesh=placement.mesh)
         track_for_clip(model, config.muon_qk_clip(name))
@@ -456,25 +456,6 @@ def _watch(config: TrainConfig, result: RunResult) -> DivergenceWatch:
         watch.start = result.train_losses[0]
     watch.said = result.diverged
     return watch
-
-
-def _build_model(config: TrainConfig, vocab_size: int) -> TinyGPT:
-    return TinyGPT(
-        GPTConfig(
-            vocab_size=vocab_size,
-            seq_len=config.seq_len,
-            dim=config.dim,
-            layers=config.layers,
-            heads=config.heads,
-            mlp_hidden=_mlp_hidden(config.dim),
-            tied_embeddings=config.tied_embeddings,
-        )
-    )
-
-
-def _mlp_hidden(dim: int) -> int:
-    """SwiGLU width: 8/3 of dim, rounded up to a multiple of 32."""
-    return -(-8 * dim // 3 // 32) * 32
 
 
 def _build_scheduler(config: TrainConfig, optimizer: ChainedOptimizer) -> HyperLRScheduler:
