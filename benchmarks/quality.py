@@ -5,14 +5,20 @@ Run from the repository root::
     python -m benchmarks --cases quality            # 240 steps (minutes on 2 cores)
     python -m benchmarks --cases quality --quick    # 120 steps, fewer budgets, smaller eval
     python -m benchmarks --cases quality --seeds 3  # each run on 3 seeds: means and spread
+    python -m benchmarks --cases quality --init torch  # PyTorch's default init instead
 
-The built-in decoder (:class:`~hyper_parallel.train.model.TinyGPT`: d=128,
-4 blocks, 4 heads, learned positions) trains on
-:func:`~hyper_parallel.train.corpus.python_stdlib_corpus` (the running
+The built-in decoder shaped like a small Llama
+(:class:`~hyper_parallel.train.model.TinyGPT`: d=128, 4 blocks, 4 heads,
+RMSNorm, SwiGLU, rotary positions; GPT-2's init, N(0, 0.02) with smaller
+residual projections) trains
+on :func:`~hyper_parallel.train.corpus.python_stdlib_corpus` (the running
 Python's standard library, split by file, a 2,048-token byte-level BPE),
-sequence 256, batch 8, with a cosine schedule and 5% warmup from
-:func:`~hyper_parallel.get_hyper_lr_scheduler`. Every run of a seed starts
-from the same init and sees the same batches. The configurations:
+sequence 256, batch 8, the gradient's norm clipped to 1, with a cosine
+schedule and 5% warmup from :func:`~hyper_parallel.get_hyper_lr_scheduler`.
+Every run of a seed starts from the same init and sees the same batches.
+``--init torch`` leaves PyTorch's module defaults instead (:data:`INITS`),
+a control: at this width they are larger, and AdamW takes a larger lr.
+The configurations:
 
 - AdamW over an lr sweep (:attr:`QualitySize.adamw_lrs`); the one with the
   lowest final validation loss is "the lr-tuned AdamW";
@@ -21,7 +27,10 @@ from the same init and sees the same batches. The configurations:
 - the same with the AdamW half at the tuned AdamW's lr:
   ``get_hyper_optimizer(model, muon={}, adamw={"lr": best})``;
 - ``torch.optim.Muon`` at its defaults on the same matrices, AdamW at 1e-3
-  on the rest.
+  on the rest;
+- Muon at its default with the AdamW half at each other lr of the sweep
+  (:func:`adamw_half_sweep`): whether the AdamW half wants the lr AdamW
+  alone does.
 
 Rows: each configuration's final validation loss and tokens/s against the
 lr-tuned AdamW's; for the Muon configurations of
@@ -29,7 +38,8 @@ lr-tuned AdamW's; for the Muon configurations of
 over a fraction of the steps (:attr:`QualitySize.budgets`, smallest first,
 stopping at the first that reaches the target), and the smallest fraction
 whose final validation loss is at most the lr-tuned AdamW's ("never" if
-none). The loss curves of the full runs go to a PNG (``--loss-plot``).
+none); by default those are Muon + AdamW at the tuned AdamW lr, the
+AdamW-half sweep's best, and HyperParallel's defaults. The loss curves of the full runs go to a PNG (``--loss-plot``).
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ROOT, Row, Settings, case_command
-from hyper_parallel import AdamW, get_hyper_lr_scheduler, get_hyper_optimizer
+from hyper_parallel import AdamW, clip_grad_norm_, get_hyper_lr_scheduler, get_hyper_optimizer
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer import ChainedOptimizer
 from hyper_parallel.train.corpus import python_stdlib_corpus
@@ -58,7 +68,9 @@ from hyper_parallel.train.run import RunResult, evaluate
 
 __all__ = [
     "DEFAULT",
+    "INITS",
     "QUICK",
+    "TORCH_INIT",
     "Configuration",
     "QualitySize",
     "case_quality",
@@ -69,6 +81,8 @@ __all__ = [
 MUON_DEFAULTS = "muon_defaults"
 MUON_TUNED_ADAMW = "muon_tuned_adamw"
 TORCH_MUON = "torch_muon"
+#: In :attr:`QualitySize.budgeted`: whichever Muon + AdamW of the AdamW-half sweep ended lowest.
+MUON_BEST_HALF = "muon_best_adamw_half"
 
 #: The lr of the AdamW half next to torch.optim.Muon (HyperParallel's AdamW default).
 TORCH_MUON_ADAMW_LR = 1e-3
@@ -92,20 +106,23 @@ class QualitySize:
     heads: int = 4
     mlp_hidden: int = 352  # SwiGLU width: 8/3 of dim, rounded up to a multiple of 32
     vocab_size: int = 2048
+    positions: str = "rotary"  # a Positions name
+    init_std: float | None = 0.02  # None: PyTorch's default init (--init torch)
+    max_grad_norm: float | None = 1.0  # None: not clipped
     warmup_fraction: float = 0.05
     eval_every: int = 20
     eval_batches: int = 16
-    adamw_lrs: tuple[float, ...] = (5e-4, 1e-3, 3e-3, 1e-2)
+    adamw_lrs: tuple[float, ...] = (1e-3, 2e-3, 3e-3, 5e-3)
     budgets: tuple[float, ...] = (0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
-    budgeted: tuple[str, ...] = (MUON_TUNED_ADAMW, MUON_DEFAULTS)
+    budgeted: tuple[str, ...] = (MUON_TUNED_ADAMW, MUON_BEST_HALF, MUON_DEFAULTS)
     seeds: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
-        unknown = set(self.budgeted) - {MUON_DEFAULTS, MUON_TUNED_ADAMW, TORCH_MUON}
+        unknown = set(self.budgeted) - {MUON_DEFAULTS, MUON_TUNED_ADAMW, MUON_BEST_HALF, TORCH_MUON}
         if unknown:
             raise HyperParallelValueError(
                 f"QualitySize.budgeted: unknown configuration(s) {sorted(unknown)}; choose from "
-                f"{MUON_TUNED_ADAMW!r}, {MUON_DEFAULTS!r}, {TORCH_MUON!r}"
+                f"{MUON_TUNED_ADAMW!r}, {MUON_BEST_HALF!r}, {MUON_DEFAULTS!r}, {TORCH_MUON!r}"
             )
         if not self.seeds or not self.adamw_lrs or not self.budgets:
             raise HyperParallelValueError(
@@ -121,6 +138,8 @@ class QualitySize:
             layers=self.layers,
             heads=self.heads,
             mlp_hidden=self.mlp_hidden,
+            positions=self.positions,
+            init_std=self.init_std,
         )
 
     def budget_steps(self, fraction: float) -> int:
@@ -132,7 +151,16 @@ class QualitySize:
 DEFAULT = QualitySize()
 #: ``--quick``: 120 steps, budgets 0.6, 0.8 and 1.0 for Muon at the tuned AdamW lr, a smaller eval.
 QUICK = QualitySize(steps=120, eval_every=20, eval_batches=4, budgets=(0.6, 0.8, 1.0),
-                    budgeted=(MUON_TUNED_ADAMW,))  # fmt: skip
+                    budgeted=(MUON_TUNED_ADAMW, MUON_BEST_HALF))  # fmt: skip
+
+#: ``--init``'s choices: each a change to the size. ``gpt2`` (the default): GPT-2's N(0, 0.02),
+#: the residual projections smaller; ``torch``: PyTorch's module defaults (embeddings N(0, 1),
+#: matrices uniform within 1/sqrt(fan_in)).
+INITS: dict[str, dict[str, float | None]] = {
+    "gpt2": {"init_std": 0.02},
+    "torch": {"init_std": None},
+}
+TORCH_INIT = "torch"
 
 
 @dataclass(frozen=True)
@@ -199,6 +227,21 @@ def muon_configurations(best_adamw_lr: float) -> list[Configuration]:
     ]
 
 
+def adamw_half_sweep(lrs: Sequence[float], best_adamw_lr: float) -> list[Configuration]:
+    """Muon at its defaults with the AdamW half at each lr of ``lrs`` that
+    :func:`muon_configurations` does not already train (the tuned lr and the default)."""
+    return [
+        Configuration(
+            f"muon_adamw_{lr:g}",
+            f"Muon + AdamW, AdamW half at {_lr_text(lr)} (muon={{}}, adamw={{'lr': {_lr_text(lr)}}})",
+            lambda model, lr=lr: get_hyper_optimizer(model, muon={}, adamw={"lr": lr}),
+            same_as=("muon", lr),
+        )
+        for lr in lrs
+        if lr not in (best_adamw_lr, ADAMW_DEFAULT_LR)
+    ]
+
+
 def _torch_muon(model: TinyGPT) -> torch.optim.Optimizer:
     """torch.optim.Muon at its defaults on the matrices HyperParallel's Muon would take.
 
@@ -242,6 +285,8 @@ def train(
         start = time.perf_counter()
         loss = model.loss(next(train_batches))
         loss.backward()
+        if size.max_grad_norm is not None:
+            clip_grad_norm_(model.parameters(), size.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
@@ -329,10 +374,12 @@ class _Trainer:
 
 
 def case_quality(settings: Settings) -> Iterator[Row]:
-    """The quality case at :data:`DEFAULT` (``--quick``: :data:`QUICK`), ``--seeds`` seeds."""
+    """The quality case at :data:`DEFAULT` (``--quick``: :data:`QUICK`), ``--seeds`` seeds,
+    ``--init``'s init (:data:`INITS`)."""
     size = QUICK if settings.quick_flag else DEFAULT
     seeds = int(settings.extra.get("seeds", "1"))
-    yield from quality_rows(dataclasses.replace(size, seeds=tuple(range(seeds))), settings)
+    init = INITS[settings.extra.get("init", "gpt2")]
+    yield from quality_rows(dataclasses.replace(size, seeds=tuple(range(seeds)), **init), settings)
 
 
 def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
@@ -340,13 +387,18 @@ def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
     data = python_stdlib_corpus(vocab_size=size.vocab_size)
     print(f"quality: training on {data.source}", file=sys.stderr, flush=True)
     extra = [f"--seeds {len(size.seeds)}"] if len(size.seeds) > 1 else []
+    if size.init_std is None:
+        extra.append(f"--init {TORCH_INIT}")
     command = case_command("quality", settings, *extra)
     trained = _Trainer(data, size)
     sweep = [trained(adamw(lr), size.steps) for lr in size.adamw_lrs]
     best = min(sweep, key=lambda runs: runs.loss)
     best_lr = size.adamw_lrs[sweep.index(best)]
-    full = [*sweep, *(trained(c, size.steps) for c in muon_configurations(best_lr))]
+    configurations = [*muon_configurations(best_lr), *adamw_half_sweep(size.adamw_lrs, best_lr)]
+    full = [*sweep, *(trained(c, size.steps) for c in configurations)]
     where = f"{size.steps} steps of {size.batch_size} x {size.seq_len} tokens, python-stdlib"
+    if size.init_std is None:
+        where += ", PyTorch's default init"
     reference = f"{best.configuration.label} (the sweep's best)"
     for runs in full:
         yield Row(f"Training quality: final validation loss, {where}", runs.configuration.label,
@@ -357,9 +409,24 @@ def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
                   runs.tokens_per_s, reference, best.tokens_per_s, "tokens/s",
                   command=command)  # fmt: skip
     _plot_and_say(full, Path(settings.extra.get("loss_plot", DEFAULT_LOSS_PLOT)))
+    for runs in _budgeted(full, size.budgeted):
+        yield from _budget_rows(runs, best, trained, command)
+
+
+def _budgeted(full: Sequence[Runs], keys: Sequence[str]) -> list[Runs]:
+    """The full runs :attr:`QualitySize.budgeted` names, in its order, each optimizer once.
+
+    :data:`MUON_BEST_HALF` is the Muon + AdamW run (any AdamW-half lr) with
+    the lowest final loss; where that optimizer is already named, it is not
+    budgeted again.
+    """
     by_key = {runs.configuration.key: runs for runs in full}
-    for key in size.budgeted:  # in the order they are given
-        yield from _budget_rows(by_key[key], best, trained, command)
+    halves = [runs for runs in full if runs.configuration.same_as[:1] == ("muon",)]
+    chosen: dict[tuple[object, ...], Runs] = {}
+    for key in keys:
+        runs = min(halves, key=lambda r: r.loss) if key == MUON_BEST_HALF else by_key[key]
+        chosen.setdefault(runs.configuration.same_as or (runs.configuration.key,), runs)
+    return list(chosen.values())
 
 
 def _budget_rows(full: Runs, best: Runs, trained: _Trainer, command: str) -> Iterator[Row]:

@@ -831,6 +831,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, metavar="N",
                         help="with --cases quality: train each run on seeds 0..N-1 and print "
                         "the spread (default 1)")  # fmt: skip
+    parser.add_argument("--init", choices=("gpt2", "torch"),
+                        help="with --cases quality: the model's init, gpt2 (N(0, 0.02), the "
+                        "default) or torch (PyTorch's module defaults)")  # fmt: skip
     parser.add_argument("--loss-plot", type=Path, metavar="PNG",
                         help="with --cases quality: write the loss curves here (default "
                         "runs/benchmarks/quality_losses.png)")  # fmt: skip
@@ -868,6 +871,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.extra["seeds"] = str(args.seeds)
     if args.loss_plot:
         settings.extra["loss_plot"] = str(args.loss_plot)
+    if args.init:
+        settings.extra["init"] = args.init
     if args.muon_peers:
         chosen = tuple(n.strip() for n in args.muon_peers.split(",") if n.strip())
         if not chosen or set(chosen) - set(MUON_PEER_NAMES):

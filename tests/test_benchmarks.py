@@ -460,11 +460,14 @@ def test_the_quality_case_trains_each_configuration_and_finds_the_steps_to_adamw
     losses = [r for r in rows if r.case == f"Training quality: final validation loss, {where}"]
     best = min(losses[:2], key=lambda r: r.ours)  # the sweep's best AdamW is every row's reference
     best_lr = best.ours_label.removeprefix("AdamW lr ")
+    # the AdamW half is swept over the lrs the two Muon + AdamW rows before it do not train
+    half_sweep = ["Muon + AdamW, AdamW half at 1e-2 (muon={}, adamw={'lr': 1e-2})"]
     assert [r.ours_label for r in losses] == [
         "AdamW lr 1e-3", "AdamW lr 1e-2",
         "Muon + AdamW, HyperParallel's defaults (muon={}, adamw={})",
         f"Muon + AdamW at the tuned AdamW lr (muon={{}}, adamw={{'lr': {best_lr}}})",
         "torch.optim.Muon defaults + AdamW lr 1e-3",
+        *(half_sweep if best_lr == "1e-3" else []),
     ]  # fmt: skip
     for r in losses:
         assert r.peer_label == f"{best.ours_label} (the sweep's best)" and r.peer == best.ours
@@ -472,11 +475,18 @@ def test_the_quality_case_trains_each_configuration_and_finds_the_steps_to_adamw
     speed = [r for r in rows if r.case.startswith("Training quality: training throughput")]
     assert [r.ours_label for r in speed] == [r.ours_label for r in losses]
     assert all(r.unit == "tokens/s" and r.ours > 0 and r.peer > 0 for r in speed)
-    # by budget: Muon with the AdamW half at the tuned lr, then HyperParallel's defaults
+    # by budget: Muon with the AdamW half at the tuned lr, the AdamW-half sweep's best, then
+    # HyperParallel's defaults; each optimizer (each AdamW-half lr) once
+    half_lr = {losses[2].ours_label: 1e-3, losses[3].ours_label: float(best_lr)}
+    half_lr.update({r.ours_label: 1e-2 for r in losses[5:]})
+    best_half = min((r for r in losses if r.ours_label in half_lr), key=lambda r: r.ours)
+    budgeted: dict[float, Row] = {}
+    for full in (losses[3], best_half, losses[2]):
+        budgeted.setdefault(half_lr[full.ours_label], full)
     reached = [r for r in rows if r.case.startswith("Training quality: steps to")]
-    assert [r.ours_label for r in reached] == [losses[3].ours_label, losses[2].ours_label]
-    assert [r.target for r in reached] == ["<= 0.8", ""]
-    for r, full in zip(reached, (losses[3], losses[2]), strict=True):
+    assert [r.ours_label for r in reached] == [full.ours_label for full in budgeted.values()]
+    assert [r.target for r in reached] == ["<= 0.8"] + [""] * (len(budgeted) - 1)
+    for r, full in zip(reached, budgeted.values(), strict=True):
         budgets = [x for x in rows if x.case.endswith(f"by budget, {full.ours_label}")]
         assert budgets[0].ours_label == "0.50 of the steps (4), its own cosine"
         assert r.peer == 8 and r.unit == "steps" and r.peer_label == best.ours_label
@@ -504,7 +514,10 @@ def test_quality_quick_is_the_smaller_size_and_prints_the_whole_table(
     monkeypatch.setattr(quality, "QUICK", tiny)
     settings = Settings(quick_flag="--quick", extra={"loss_plot": str(tmp_path / "l.png")})
     rows = list(quality.case_quality(settings))
-    configurations = len(tiny.adamw_lrs) + 3  # the sweep, two Muon + AdamW, torch.optim.Muon
+    losses = [r for r in rows if r.case.startswith("Training quality: final validation loss, ")]
+    best_lr = float(min(losses[: len(tiny.adamw_lrs)], key=lambda r: r.ours).ours_label[9:])
+    # the sweep, two Muon + AdamW, torch.optim.Muon, the AdamW half at the sweep's other lrs
+    configurations = 2 * len(tiny.adamw_lrs) + 3 - len({best_lr, quality.ADAMW_DEFAULT_LR})
     kinds = Counter(r.case.split(",")[0] for r in rows)
     assert kinds["Training quality: final validation loss"] == configurations
     assert kinds["Training quality: training throughput"] == configurations
@@ -514,6 +527,31 @@ def test_quality_quick_is_the_smaller_size_and_prints_the_whole_table(
     assert reached.peer == tiny.steps and reached.unit == "steps"
     assert all(r.command == "python -m benchmarks --cases quality --quick" for r in rows)
     assert "| Training quality: steps to" in format_table(rows)
+
+
+def test_quality_with_torch_s_init_says_so_in_every_row_and_its_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(quality, "python_stdlib_corpus", lambda **kw: synthetic_corpus(
+        train_chars=20_000, val_chars=4_000))  # fmt: skip
+    sizes: list[quality.QualitySize] = []
+    monkeypatch.setattr(quality, "quality_rows", lambda size, settings: sizes.append(size) or [])
+    list(quality.case_quality(Settings(extra={"init": "torch", "seeds": "2"})))
+    list(quality.case_quality(Settings()))
+    assert [(s.init_std, s.seeds) for s in sizes] == [(None, (0, 1)), (0.02, (0,))]
+    monkeypatch.undo()
+    monkeypatch.setattr(quality, "python_stdlib_corpus", lambda **kw: synthetic_corpus(
+        train_chars=20_000, val_chars=4_000))  # fmt: skip
+    tiny = quality.QualitySize(
+        steps=2, batch_size=2, seq_len=16, dim=32, layers=1, heads=2, mlp_hidden=64,
+        vocab_size=512, eval_every=2, eval_batches=1, adamw_lrs=(quality.ADAMW_DEFAULT_LR,),
+        budgets=(1.0,), init_std=None,
+    )  # fmt: skip
+    rows = list(quality.quality_rows(tiny, Settings(extra={"loss_plot": str(tmp_path / "l.png")})))
+    assert rows and all(r.command == "python -m benchmarks --cases quality --init torch"
+                        for r in rows)  # fmt: skip
+    losses = [r for r in rows if r.case.startswith("Training quality: final validation loss, ")]
+    assert losses and all(r.case.endswith(", PyTorch's default init") for r in losses)
 
 
 def test_at_adamw_s_default_lr_the_tuned_muon_configuration_is_the_defaults_trained_once(
