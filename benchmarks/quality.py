@@ -39,7 +39,8 @@ over a fraction of the steps (:attr:`QualitySize.budgets`, smallest first,
 stopping at the first that reaches the target), and the smallest fraction
 whose final validation loss is at most the lr-tuned AdamW's ("never" if
 none); by default those are Muon + AdamW at the tuned AdamW lr, the
-AdamW-half sweep's best, and HyperParallel's defaults. The loss curves of the full runs go to a PNG (``--loss-plot``).
+AdamW-half sweep's best, and HyperParallel's defaults. The loss curves of
+the full runs go to a PNG (``--loss-plot``).
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ class QualitySize:
 
 #: The default size: 240 steps, four AdamW lrs, budgets 0.4 to 1.0 for two Muon configurations.
 DEFAULT = QualitySize()
-#: ``--quick``: 120 steps, budgets 0.6, 0.8 and 1.0 for Muon at the tuned AdamW lr, a smaller eval.
+#: ``--quick``: 120 steps, budgets 0.6, 0.8 and 1.0 (for the tuned AdamW lr and the best AdamW
+#: half), a smaller eval.
 QUICK = QualitySize(steps=120, eval_every=20, eval_batches=4, budgets=(0.6, 0.8, 1.0),
                     budgeted=(MUON_TUNED_ADAMW, MUON_BEST_HALF))  # fmt: skip
 
