@@ -6,6 +6,7 @@ Run from the repository root::
     python -m benchmarks --cases quality --quick    # 120 steps, fewer budgets, smaller eval
     python -m benchmarks --cases quality --seeds 3  # each run on 3 seeds: means and spread
     python -m benchmarks --cases quality --init torch  # PyTorch's default init instead
+    python -m benchmarks --cases quality --muon-lrs 1e-3,6e-3  # Muon's lr swept too
 
 The built-in decoder shaped like a small Llama
 (:class:`~hyper_parallel.train.model.TinyGPT`: d=128, 4 blocks, 4 heads,
@@ -21,26 +22,32 @@ a control: at this width they are larger, and AdamW takes a larger lr.
 The configurations:
 
 - AdamW over an lr sweep (:attr:`QualitySize.adamw_lrs`); the one with the
-  lowest final validation loss is "the lr-tuned AdamW";
+  lowest final validation loss is "the lr-tuned AdamW", its lr "the tuned lr";
 - Muon + AdamW at HyperParallel's defaults:
   ``get_hyper_optimizer(model, muon={}, adamw={})``;
-- the same with the AdamW half at the tuned AdamW's lr:
-  ``get_hyper_optimizer(model, muon={}, adamw={"lr": best})``;
+- Muon at its default lr with the AdamW half at the tuned lr:
+  ``muon={}, adamw={"lr": best}``;
+- both halves at the tuned lr: ``muon={"lr": best}, adamw={"lr": best}``.
+  Muon's step RMS is matched to AdamW's (``0.2 * lr``), so AdamW's tuned lr
+  is Muon's first guess too; this is the configuration :data:`TARGET` is
+  asked of;
 - ``torch.optim.Muon`` at its defaults on the same matrices, AdamW at 1e-3
   on the rest;
-- Muon at its default with the AdamW half at each other lr of the sweep
-  (:func:`adamw_half_sweep`): whether the AdamW half wants the lr AdamW
-  alone does.
+- Muon at the tuned lr with the AdamW half at each lr of the sweep above it
+  (:func:`adamw_half_sweep`): whether the AdamW half takes more than AdamW
+  alone does;
+- with ``--muon-lrs``, Muon at each of those lrs with the AdamW half at the
+  tuned lr (:func:`muon_lr_sweep`).
 
 Rows: each configuration's final validation loss and tokens/s against the
-lr-tuned AdamW's; for the Muon configurations of
+lr-tuned AdamW's; then, for the Muon configurations of
 :attr:`QualitySize.budgeted`, separate runs each with its own full cosine
-over a fraction of the steps (:attr:`QualitySize.budgets`, smallest first,
-stopping at the first that reaches the target), and the smallest fraction
-whose final validation loss is at most the lr-tuned AdamW's ("never" if
-none); by default those are Muon + AdamW at the tuned AdamW lr, the
-AdamW-half sweep's best, and HyperParallel's defaults. The loss curves of
-the full runs go to a PNG (``--loss-plot``).
+over a fraction of the steps (:attr:`QualitySize.budgets`, largest first,
+stopping at the first that does not reach the lr-tuned AdamW's final
+validation loss), and the smallest fraction that reached it ("never" if the
+largest did not). By default those are both halves at the tuned lr, the
+lowest Muon + AdamW run and HyperParallel's defaults. The loss curves of the
+full runs go to a PNG (``--loss-plot``).
 """
 
 from __future__ import annotations
@@ -58,7 +65,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ROOT, Row, Settings, case_command
-from hyper_parallel import AdamW, clip_grad_norm_, get_hyper_lr_scheduler, get_hyper_optimizer
+from hyper_parallel import (
+    AdamW,
+    Muon,
+    clip_grad_norm_,
+    get_hyper_lr_scheduler,
+    get_hyper_optimizer,
+)
 from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.core.optimizer import ChainedOptimizer
 from hyper_parallel.train.corpus import python_stdlib_corpus
@@ -80,10 +93,15 @@ __all__ = [
 
 #: Keys of the Muon configurations (:attr:`Configuration.key`).
 MUON_DEFAULTS = "muon_defaults"
+#: Muon at its default lr, the AdamW half at the tuned AdamW lr.
+MUON_DEFAULT_LR_KEY = "muon_default_lr"
+#: Both halves at the tuned AdamW lr: the configuration :data:`TARGET` is asked of.
 MUON_TUNED_ADAMW = "muon_tuned_adamw"
 TORCH_MUON = "torch_muon"
-#: In :attr:`QualitySize.budgeted`: whichever Muon + AdamW of the AdamW-half sweep ended lowest.
+#: In :attr:`QualitySize.budgeted`: whichever Muon + AdamW run ended lowest.
 MUON_BEST_HALF = "muon_best_adamw_half"
+#: What :attr:`QualitySize.budgeted` may name.
+BUDGETABLE = (MUON_TUNED_ADAMW, MUON_BEST_HALF, MUON_DEFAULT_LR_KEY, MUON_DEFAULTS, TORCH_MUON)
 
 #: The lr of the AdamW half next to torch.optim.Muon (HyperParallel's AdamW default).
 TORCH_MUON_ADAMW_LR = 1e-3
@@ -111,23 +129,30 @@ class QualitySize:
     init_std: float | None = 0.02  # None: PyTorch's default init (--init torch)
     max_grad_norm: float | None = 1.0  # None: not clipped
     warmup_fraction: float = 0.05
-    eval_every: int = 20
+    eval_every: int = 40  # in the full runs; a budget run validates at its end only
     eval_batches: int = 16
     adamw_lrs: tuple[float, ...] = (1e-3, 2e-3, 3e-3, 5e-3)
-    budgets: tuple[float, ...] = (0.4, 0.5, 0.6, 0.7, 0.8, 1.0)
+    muon_lrs: tuple[float, ...] = ()  # --muon-lrs: Muon's lr swept, the AdamW half at the tuned lr
+    budgets: tuple[float, ...] = (0.4, 0.6, 0.8, 1.0)
     budgeted: tuple[str, ...] = (MUON_TUNED_ADAMW, MUON_BEST_HALF, MUON_DEFAULTS)
     seeds: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
-        unknown = set(self.budgeted) - {MUON_DEFAULTS, MUON_TUNED_ADAMW, MUON_BEST_HALF, TORCH_MUON}
+        unknown = set(self.budgeted) - set(BUDGETABLE)
         if unknown:
             raise HyperParallelValueError(
                 f"QualitySize.budgeted: unknown configuration(s) {sorted(unknown)}; choose from "
-                f"{MUON_TUNED_ADAMW!r}, {MUON_BEST_HALF!r}, {MUON_DEFAULTS!r}, {TORCH_MUON!r}"
+                f"{', '.join(map(repr, BUDGETABLE))}"
             )
         if not self.seeds or not self.adamw_lrs or not self.budgets:
             raise HyperParallelValueError(
                 "QualitySize: seeds, adamw_lrs and budgets each need at least one value"
+            )
+        lrs = (*self.adamw_lrs, *self.muon_lrs)
+        if not all(math.isfinite(lr) and lr > 0 for lr in lrs):
+            raise HyperParallelValueError(
+                f"QualitySize: every lr must be a positive number, got adamw_lrs={self.adamw_lrs}, "
+                f"muon_lrs={self.muon_lrs}"
             )
 
     def model(self, vocab_size: int) -> GPTConfig:
@@ -148,10 +173,11 @@ class QualitySize:
         return max(1, round(fraction * self.steps))
 
 
-#: The default size: 240 steps, four AdamW lrs, budgets 0.4 to 1.0 for two Muon configurations.
+#: The default size: 240 steps, four AdamW lrs, budgets 0.4 to 1.0 for three Muon configurations
+#: (under 15 minutes on 2 AVX2-only cores).
 DEFAULT = QualitySize()
-#: ``--quick``: 120 steps, budgets 0.6, 0.8 and 1.0 (for the tuned AdamW lr and the best AdamW
-#: half), a smaller eval.
+#: ``--quick``: 120 steps, budgets 0.6, 0.8 and 1.0 (for both halves at the tuned AdamW lr and
+#: the lowest Muon + AdamW), a smaller eval.
 QUICK = QualitySize(steps=120, eval_every=20, eval_batches=4, budgets=(0.6, 0.8, 1.0),
                     budgeted=(MUON_TUNED_ADAMW, MUON_BEST_HALF))  # fmt: skip
 
@@ -197,30 +223,48 @@ def adamw(lr: float) -> Configuration:
 
 #: HyperParallel's AdamW lr where none is given (the AdamW half of its defaults).
 ADAMW_DEFAULT_LR: float = inspect.signature(AdamW).parameters["lr"].default
+#: HyperParallel's Muon lr where none is given, as a Muon built without one resolves it.
+MUON_DEFAULT_LR: float = Muon([torch.nn.Parameter(torch.zeros(2, 2))]).defaults["lr"]
+
+
+#: How labels name a half at the tuned AdamW lr.
+TUNED_HALF = "the AdamW half at the tuned AdamW lr"
+TUNED_MUON = "Muon at the tuned AdamW lr"
+
+
+def _kwargs_text(lr: float | None) -> str:
+    """``{}`` for ``None``, ``{'lr': 2e-3}`` for 0.002: how a row names what it passes."""
+    return "{}" if lr is None else f"{{'lr': {_lr_text(lr)}}}"
+
+
+def muon_adamw(key: str, what: str, muon_lr: float | None, adamw_lr: float | None) -> Configuration:
+    """Muon + AdamW: ``get_hyper_optimizer(model, muon={"lr": muon_lr}, adamw={"lr": adamw_lr})``.
+
+    ``None`` leaves that half's lr at its default. The label says ``what`` and
+    the call; :attr:`Configuration.same_as` holds the two resolved lrs.
+    """
+    muon = {} if muon_lr is None else {"lr": muon_lr}
+    adamw = {} if adamw_lr is None else {"lr": adamw_lr}
+    return Configuration(
+        key,
+        f"Muon + AdamW, {what} (muon={_kwargs_text(muon_lr)}, adamw={_kwargs_text(adamw_lr)})",
+        lambda model: get_hyper_optimizer(model, muon=muon, adamw=adamw),
+        same_as=("muon", muon_lr or MUON_DEFAULT_LR, adamw_lr or ADAMW_DEFAULT_LR),
+    )
 
 
 def muon_configurations(best_adamw_lr: float) -> list[Configuration]:
-    """HyperParallel's Muon + AdamW defaults, the AdamW half at ``best_adamw_lr``, torch's Muon.
+    """HyperParallel's defaults; Muon at its default with the AdamW half at ``best_adamw_lr``;
+    both halves at ``best_adamw_lr``; torch.optim.Muon.
 
-    Where ``best_adamw_lr`` is :data:`ADAMW_DEFAULT_LR` the first two build
-    the same optimizer (:attr:`Configuration.same_as`), so they share runs.
+    Configurations that build the same optimizer (:attr:`Configuration.same_as`)
+    share their runs.
     """
-    best = _lr_text(best_adamw_lr)
-    defaults = "Muon + AdamW, HyperParallel's defaults (muon={}, adamw={})"
-    tuned = f"Muon + AdamW at the tuned AdamW lr (muon={{}}, adamw={{'lr': {best}}})"
+    best = best_adamw_lr
     return [
-        Configuration(
-            MUON_DEFAULTS,
-            defaults,
-            lambda model: get_hyper_optimizer(model, muon={}, adamw={}),
-            same_as=("muon", ADAMW_DEFAULT_LR),
-        ),
-        Configuration(
-            MUON_TUNED_ADAMW,
-            tuned,
-            lambda model: get_hyper_optimizer(model, muon={}, adamw={"lr": best_adamw_lr}),
-            same_as=("muon", best_adamw_lr),
-        ),
+        muon_adamw(MUON_DEFAULTS, "HyperParallel's defaults", None, None),
+        muon_adamw(MUON_DEFAULT_LR_KEY, f"Muon at its default lr, {TUNED_HALF}", None, best),
+        muon_adamw(MUON_TUNED_ADAMW, "both at the tuned AdamW lr", best, best),
         Configuration(
             TORCH_MUON,
             f"torch.optim.Muon defaults + AdamW lr {_lr_text(TORCH_MUON_ADAMW_LR)}",
@@ -230,17 +274,28 @@ def muon_configurations(best_adamw_lr: float) -> list[Configuration]:
 
 
 def adamw_half_sweep(lrs: Sequence[float], best_adamw_lr: float) -> list[Configuration]:
-    """Muon at its defaults with the AdamW half at each lr of ``lrs`` that
-    :func:`muon_configurations` does not already train (the tuned lr and the default)."""
+    """Muon at ``best_adamw_lr`` with the AdamW half at each lr of ``lrs`` above it: whether the
+    AdamW half takes more than AdamW alone does."""
     return [
-        Configuration(
+        muon_adamw(
             f"muon_adamw_{lr:g}",
-            f"Muon + AdamW, AdamW half at {_lr_text(lr)} (muon={{}}, adamw={{'lr': {_lr_text(lr)}}})",
-            lambda model, lr=lr: get_hyper_optimizer(model, muon={}, adamw={"lr": lr}),
-            same_as=("muon", lr),
+            f"{TUNED_MUON}, the AdamW half at {_lr_text(lr)}",
+            best_adamw_lr,
+            lr,
         )
         for lr in lrs
-        if lr not in (best_adamw_lr, ADAMW_DEFAULT_LR)
+        if lr > best_adamw_lr
+    ]
+
+
+def muon_lr_sweep(lrs: Sequence[float], best_adamw_lr: float) -> list[Configuration]:
+    """Muon at each lr of ``lrs`` with the AdamW half at ``best_adamw_lr`` (``--muon-lrs``):
+    whether Muon wants the lr AdamW does. :func:`muon_configurations` already trains Muon at
+    ``best_adamw_lr`` and at its default."""
+    return [
+        muon_adamw(f"muon_{lr:g}_adamw", f"Muon at {_lr_text(lr)}, {TUNED_HALF}", lr, best_adamw_lr)
+        for lr in lrs
+        if lr not in (best_adamw_lr, MUON_DEFAULT_LR)  # muon_configurations trains those
     ]
 
 
@@ -264,10 +319,18 @@ def _torch_muon(model: TinyGPT) -> torch.optim.Optimizer:
 
 
 def train(
-    configuration: Configuration, data: TokenizedText, size: QualitySize, seed: int, steps: int
+    configuration: Configuration,
+    data: TokenizedText,
+    size: QualitySize,
+    seed: int,
+    steps: int,
+    *,
+    curve: bool = True,
 ) -> RunResult:
-    """Train a fresh model ``steps`` steps, a full cosine of its own, validating on the way.
+    """Train a fresh model ``steps`` steps, a full cosine of its own, and validate it.
 
+    ``curve``: validate every :attr:`QualitySize.eval_every` steps on the way
+    (for the plot) as well as at the end; otherwise at the end only.
     The init and the batches depend on ``seed`` only: every configuration of a
     seed starts alike and sees the same batches (the first ``steps`` of them).
     A non-finite loss stops the run; its final validation loss is then ``inf``.
@@ -299,7 +362,7 @@ def train(
         if not math.isfinite(value):
             result.val_losses.append((step, math.inf))
             break
-        if step % size.eval_every == 0 or step == steps:
+        if step == steps or (curve and step % size.eval_every == 0):
             result.val_losses.append((step, evaluate(model, val_batches)))
     result.logged_train_losses = list(result.train_losses)
     result.seconds = timed
@@ -342,10 +405,13 @@ class Runs:
 
 
 def _run(configuration: Configuration, data: TokenizedText, size: QualitySize, steps: int) -> Runs:
-    """``configuration`` trained ``steps`` steps on each seed, each run said on stderr."""
+    """``configuration`` trained ``steps`` steps on each seed, each run said on stderr.
+
+    Only runs of all :attr:`QualitySize.steps` validate on the way: the budget
+    runs are judged by their final loss alone."""
     results = []
     for seed in size.seeds:
-        result = train(configuration, data, size, seed, steps)
+        result = train(configuration, data, size, seed, steps, curve=steps == size.steps)
         print(f"quality: {configuration.label}, seed {seed}, {steps} steps: final validation "
               f"loss {result.final_val_loss:.3f} ({result.seconds:.0f} s)",
               file=sys.stderr, flush=True)  # fmt: skip
@@ -377,11 +443,23 @@ class _Trainer:
 
 def case_quality(settings: Settings) -> Iterator[Row]:
     """The quality case at :data:`DEFAULT` (``--quick``: :data:`QUICK`), ``--seeds`` seeds,
-    ``--init``'s init (:data:`INITS`)."""
+    ``--init``'s init (:data:`INITS`), ``--muon-lrs``' Muon lrs."""
     size = QUICK if settings.quick_flag else DEFAULT
     seeds = int(settings.extra.get("seeds", "1"))
     init = INITS[settings.extra.get("init", "gpt2")]
-    yield from quality_rows(dataclasses.replace(size, seeds=tuple(range(seeds)), **init), settings)
+    muon_lrs = parse_lrs(settings.extra.get("muon_lrs", ""))
+    size = dataclasses.replace(size, seeds=tuple(range(seeds)), muon_lrs=muon_lrs, **init)
+    yield from quality_rows(size, settings)
+
+
+def parse_lrs(text: str) -> tuple[float, ...]:
+    """``"1e-3,6e-3"`` as ``(0.001, 0.006)``; ``""`` as ``()``. Raises on anything else."""
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise HyperParallelValueError(
+            f"--muon-lrs {text!r}: give comma-separated numbers, for example 1e-3,6e-3"
+        ) from None
 
 
 def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
@@ -391,12 +469,18 @@ def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
     extra = [f"--seeds {len(size.seeds)}"] if len(size.seeds) > 1 else []
     if size.init_std is None:
         extra.append(f"--init {TORCH_INIT}")
+    if size.muon_lrs:
+        extra.append(f"--muon-lrs {','.join(map(_lr_text, size.muon_lrs))}")
     command = case_command("quality", settings, *extra)
     trained = _Trainer(data, size)
     sweep = [trained(adamw(lr), size.steps) for lr in size.adamw_lrs]
     best = min(sweep, key=lambda runs: runs.loss)
     best_lr = size.adamw_lrs[sweep.index(best)]
-    configurations = [*muon_configurations(best_lr), *adamw_half_sweep(size.adamw_lrs, best_lr)]
+    configurations = [
+        *muon_configurations(best_lr),
+        *adamw_half_sweep(size.adamw_lrs, best_lr),
+        *muon_lr_sweep(size.muon_lrs, best_lr),
+    ]
     full = [*sweep, *(trained(c, size.steps) for c in configurations)]
     where = f"{size.steps} steps of {size.batch_size} x {size.seq_len} tokens, python-stdlib"
     if size.init_std is None:
@@ -418,42 +502,42 @@ def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
 def _budgeted(full: Sequence[Runs], keys: Sequence[str]) -> list[Runs]:
     """The full runs :attr:`QualitySize.budgeted` names, in its order, each optimizer once.
 
-    :data:`MUON_BEST_HALF` is the Muon + AdamW run (any AdamW-half lr) with
-    the lowest final loss; where that optimizer is already named, it is not
+    :data:`MUON_BEST_HALF` is the Muon + AdamW run (any lrs) with the lowest
+    final loss; where that optimizer is already named, it is not
     budgeted again.
     """
     by_key = {runs.configuration.key: runs for runs in full}
-    halves = [runs for runs in full if runs.configuration.same_as[:1] == ("muon",)]
+    muon_adamw_runs = [runs for runs in full if runs.configuration.same_as[:1] == ("muon",)]
     chosen: dict[tuple[object, ...], Runs] = {}
     for key in keys:
-        runs = min(halves, key=lambda r: r.loss) if key == MUON_BEST_HALF else by_key[key]
+        runs = min(muon_adamw_runs, key=lambda r: r.loss) if key == MUON_BEST_HALF else by_key[key]
         chosen.setdefault(runs.configuration.same_as or (runs.configuration.key,), runs)
     return list(chosen.values())
 
 
 def _budget_rows(full: Runs, best: Runs, trained: _Trainer, command: str) -> Iterator[Row]:
-    """``full``'s configuration by budget, smallest first until one reaches ``best``'s final loss.
+    """``full``'s configuration by budget, largest first, while each reaches ``best``'s final loss.
 
     One row per budget run, then the steps-to-target row: the steps of the
-    smallest budget that reached it, against the full run's steps ("never"
-    when none did).
+    smallest budget that reached it with every larger budget reaching it too,
+    against the full run's steps ("never" when the largest did not). The run
+    at budget 1.0 is the full run itself.
     """
     label = full.configuration.label
     reached: Runs | None = None
     size = trained.size
-    for fraction in sorted(size.budgets):
+    for fraction in sorted(size.budgets, reverse=True):
         steps = size.budget_steps(fraction)
         runs = trained(full.configuration, steps)
         yield Row(f"Training quality: final validation loss by budget, {label}",
                   f"{fraction:.2f} of the steps ({steps}), its own cosine", runs.loss,
                   f"{best.configuration.label}, {best.steps} steps", best.loss, "nats",
                   note=runs.against(best), command=command)  # fmt: skip
-        if runs.loss <= best.loss:
-            reached = runs
+        if runs.loss > best.loss:
             break
-    budgets = ", ".join(f"{f:.2f}" for f in sorted(size.budgets))
+        reached = runs
     if reached is None:
-        note = f"never: no budget ({budgets}) reached {best.loss:.3f}"
+        note = f"never: the largest budget ({max(size.budgets):.2f}) did not reach {best.loss:.3f}"
     else:
         note = f"{reached.steps / best.steps:.2f} of the steps ({best.steps / reached.steps:.2f}x)"
     target = TARGET if full.configuration.key == MUON_TUNED_ADAMW else ""
@@ -473,8 +557,9 @@ def plot_losses(full: Sequence[Runs], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120)
-    colors = plt.get_cmap("tab10").colors  # type: ignore[attr-defined]
-    for color, runs in zip(colors, full, strict=False):
+    colors = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]
+    for index, runs in enumerate(full):
+        color = colors[index % len(colors)]
         result = runs.results[0]
         steps = [s for s, _ in result.train_losses]
         ax.plot(steps, smooth_by_step(result.train_losses), color=color, alpha=0.4, linewidth=1)

@@ -63,8 +63,9 @@ from benchmarks.ns_paths import case_paths
 from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
 from benchmarks.preemption import case_preemption
 from benchmarks.qk_clip import case_qk_clip
-from benchmarks.quality import case_quality
+from benchmarks.quality import QualitySize, case_quality, parse_lrs
 from benchmarks.swap import case_swap
+from hyper_parallel.core.errors import HyperParallelValueError
 
 __all__ = ["CASES", "expert_shapes", "main", "plot", "plot_label", "zero_rows_note"]
 
@@ -834,6 +835,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--init", choices=("gpt2", "torch"),
                         help="with --cases quality: the model's init, gpt2 (N(0, 0.02), the "
                         "default) or torch (PyTorch's module defaults)")  # fmt: skip
+    parser.add_argument("--muon-lrs", metavar="LRS",
+                        help="with --cases quality: also train Muon at each of these "
+                        "comma-separated lrs, the AdamW half at the tuned AdamW lr")  # fmt: skip
     parser.add_argument("--loss-plot", type=Path, metavar="PNG",
                         help="with --cases quality: write the loss curves here (default "
                         "runs/benchmarks/quality_losses.png)")  # fmt: skip
@@ -873,6 +877,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.extra["loss_plot"] = str(args.loss_plot)
     if args.init:
         settings.extra["init"] = args.init
+    if args.muon_lrs:
+        try:
+            QualitySize(muon_lrs=parse_lrs(args.muon_lrs))  # checks each lr
+        except HyperParallelValueError as error:
+            parser.error(str(error))
+        settings.extra["muon_lrs"] = args.muon_lrs
     if args.muon_peers:
         chosen = tuple(n.strip() for n in args.muon_peers.split(",") if n.strip())
         if not chosen or set(chosen) - set(MUON_PEER_NAMES):

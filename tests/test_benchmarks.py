@@ -460,12 +460,16 @@ def test_the_quality_case_trains_each_configuration_and_finds_the_steps_to_adamw
     losses = [r for r in rows if r.case == f"Training quality: final validation loss, {where}"]
     best = min(losses[:2], key=lambda r: r.ours)  # the sweep's best AdamW is every row's reference
     best_lr = best.ours_label.removeprefix("AdamW lr ")
-    # the AdamW half is swept over the lrs the two Muon + AdamW rows before it do not train
-    half_sweep = ["Muon + AdamW, AdamW half at 1e-2 (muon={}, adamw={'lr': 1e-2})"]
+    tuned = f"{{'lr': {best_lr}}}"
+    # the AdamW half, next to Muon at the tuned lr, is swept over the lrs above the tuned one
+    half_sweep = [f"Muon + AdamW, Muon at the tuned AdamW lr, the AdamW half at 1e-2 "
+                  f"(muon={tuned}, adamw={{'lr': 1e-2}})"]  # fmt: skip
     assert [r.ours_label for r in losses] == [
         "AdamW lr 1e-3", "AdamW lr 1e-2",
         "Muon + AdamW, HyperParallel's defaults (muon={}, adamw={})",
-        f"Muon + AdamW at the tuned AdamW lr (muon={{}}, adamw={{'lr': {best_lr}}})",
+        f"Muon + AdamW, Muon at its default lr, the AdamW half at the tuned AdamW lr "
+        f"(muon={{}}, adamw={tuned})",
+        f"Muon + AdamW, both at the tuned AdamW lr (muon={tuned}, adamw={tuned})",
         "torch.optim.Muon defaults + AdamW lr 1e-3",
         *(half_sweep if best_lr == "1e-3" else []),
     ]  # fmt: skip
@@ -475,27 +479,33 @@ def test_the_quality_case_trains_each_configuration_and_finds_the_steps_to_adamw
     speed = [r for r in rows if r.case.startswith("Training quality: training throughput")]
     assert [r.ours_label for r in speed] == [r.ours_label for r in losses]
     assert all(r.unit == "tokens/s" and r.ours > 0 and r.peer > 0 for r in speed)
-    # by budget: Muon with the AdamW half at the tuned lr, the AdamW-half sweep's best, then
-    # HyperParallel's defaults; each optimizer (each AdamW-half lr) once
-    half_lr = {losses[2].ours_label: 1e-3, losses[3].ours_label: float(best_lr)}
-    half_lr.update({r.ours_label: 1e-2 for r in losses[5:]})
-    best_half = min((r for r in losses if r.ours_label in half_lr), key=lambda r: r.ours)
-    budgeted: dict[float, Row] = {}
-    for full in (losses[3], best_half, losses[2]):
-        budgeted.setdefault(half_lr[full.ours_label], full)
+    # by budget: both halves at the tuned lr, the lowest Muon + AdamW, HyperParallel's defaults;
+    # each optimizer (each pair of lrs) once
+    b = float(best_lr)
+    lrs = {losses[2].ours_label: (0.02, 1e-3), losses[3].ours_label: (0.02, b),
+           losses[4].ours_label: (b, b), **{r.ours_label: (b, 1e-2) for r in losses[6:]}}  # fmt: skip
+    lowest = min((r for r in losses if r.ours_label in lrs), key=lambda r: r.ours)
+    budgeted: dict[tuple[float, float], Row] = {}
+    for full in (losses[4], lowest, losses[2]):
+        budgeted.setdefault(lrs[full.ours_label], full)
     reached = [r for r in rows if r.case.startswith("Training quality: steps to")]
     assert [r.ours_label for r in reached] == [full.ours_label for full in budgeted.values()]
     assert [r.target for r in reached] == ["<= 0.8"] + [""] * (len(budgeted) - 1)
     for r, full in zip(reached, budgeted.values(), strict=True):
         budgets = [x for x in rows if x.case.endswith(f"by budget, {full.ours_label}")]
-        assert budgets[0].ours_label == "0.50 of the steps (4), its own cosine"
+        # largest first: budget 1.0 is the full run itself
+        assert budgets[0].ours_label == "1.00 of the steps (8), its own cosine"
+        assert budgets[0].ours == full.ours
         assert r.peer == 8 and r.unit == "steps" and r.peer_label == best.ours_label
-        if r.ours is None:  # neither budget reached AdamW's loss; the full run is budget 1.0
-            assert r.note == f"never: no budget (0.50, 1.00) reached {best.ours:.3f}"
-            assert len(budgets) == 2 and budgets[1].ours == full.ours > best.ours
-        else:  # the smallest budget that reached it, and no larger one run
-            assert r.ours == 8 * float(r.note.split(" of the steps")[0])
-            assert budgets[-1].ours is not None and budgets[-1].ours <= best.ours
+        if r.ours is None:  # the full run did not reach AdamW's loss: no smaller budget is run
+            assert r.note == f"never: the largest budget (1.00) did not reach {best.ours:.3f}"
+            assert len(budgets) == 1 and full.ours > best.ours
+            continue
+        assert r.ours == 8 * float(r.note.split(" of the steps")[0])
+        # every budget down to the one named reached it; the one run after it, if any, did not
+        steps = [int(x.ours_label.split("(")[1].split(")")[0]) for x in budgets]
+        assert steps == sorted(steps, reverse=True) and r.ours in steps
+        assert [x.ours <= best.ours for x in budgets] == [n >= r.ours for n in steps]
     assert all(row.command == "python -m benchmarks --cases quality --seeds 2" for row in rows)
     table = format_table(rows)
     assert all(f"| {r.case} | {r.ours_label} |" in table for r in reached)
@@ -516,15 +526,19 @@ def test_quality_quick_is_the_smaller_size_and_prints_the_whole_table(
     rows = list(quality.case_quality(settings))
     losses = [r for r in rows if r.case.startswith("Training quality: final validation loss, ")]
     best_lr = float(min(losses[: len(tiny.adamw_lrs)], key=lambda r: r.ours).ours_label[9:])
-    # the sweep, two Muon + AdamW, torch.optim.Muon, the AdamW half at the sweep's other lrs
-    configurations = 2 * len(tiny.adamw_lrs) + 3 - len({best_lr, quality.ADAMW_DEFAULT_LR})
+    # the sweep, three Muon + AdamW, torch.optim.Muon, the AdamW half at the sweep's higher lrs
+    configurations = len(tiny.adamw_lrs) + 4 + sum(lr > best_lr for lr in tiny.adamw_lrs)
     kinds = Counter(r.case.split(",")[0] for r in rows)
     assert kinds["Training quality: final validation loss"] == configurations
     assert kinds["Training quality: training throughput"] == configurations
-    (reached,) = [r for r in rows if r.case.startswith("Training quality: steps to")]
+    # QUICK budgets both halves at the tuned lr and the lowest Muon + AdamW (once if the same)
+    reached = [r for r in rows if r.case.startswith("Training quality: steps to")]
+    assert 1 <= len(reached) <= 2 and reached[0].ours_label.startswith(
+        "Muon + AdamW, both at the tuned AdamW lr")  # fmt: skip
+    assert [r.target for r in reached] == ["<= 0.8", ""][: len(reached)]
     budgets = [r for r in rows if "by budget" in r.case and r.unit == "nats"]
-    assert 1 <= len(budgets) <= len(tiny.budgets) and reached.target == "<= 0.8"
-    assert reached.peer == tiny.steps and reached.unit == "steps"
+    assert len(reached) <= len(budgets) <= len(reached) * len(tiny.budgets)
+    assert all(r.peer == tiny.steps and r.unit == "steps" for r in reached)
     assert all(r.command == "python -m benchmarks --cases quality --quick" for r in rows)
     assert "| Training quality: steps to" in format_table(rows)
 
@@ -554,28 +568,83 @@ def test_quality_with_torch_s_init_says_so_in_every_row_and_its_command(
     assert losses and all(r.case.endswith(", PyTorch's default init") for r in losses)
 
 
-def test_at_adamw_s_default_lr_the_tuned_muon_configuration_is_the_defaults_trained_once(
+def test_quality_trains_one_optimizer_once_and_runs_budgets_largest_first(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    corpus = synthetic_corpus(train_chars=20_000, val_chars=4_000)
-    monkeypatch.setattr(quality, "python_stdlib_corpus", lambda **kw: corpus)
-    trained: list[tuple[str, int]] = []
-    real = quality.train
-    monkeypatch.setattr(quality, "train", lambda c, d, size, seed, steps: trained.append(
-        (c.key, steps)) or real(c, d, size, seed, steps))  # fmt: skip
-    tiny = quality.QualitySize(
-        steps=4, batch_size=2, seq_len=16, dim=32, layers=1, heads=2, mlp_hidden=64,
-        vocab_size=512, eval_every=2, eval_batches=1, adamw_lrs=(quality.ADAMW_DEFAULT_LR,),
-        budgets=(0.5, 1.0),
-    )  # fmt: skip
+    """At AdamW's default lr, Muon at its default lr with the AdamW half tuned *is* the defaults:
+    one set of runs. Budgets run from the largest down while they reach AdamW's loss."""
+    monkeypatch.setattr(quality, "python_stdlib_corpus", lambda **kw: synthetic_corpus(
+        train_chars=20_000, val_chars=4_000))  # fmt: skip
+    defaults = ("muon", quality.MUON_DEFAULT_LR, quality.ADAMW_DEFAULT_LR)
+    both = ("muon", quality.ADAMW_DEFAULT_LR, quality.ADAMW_DEFAULT_LR)
+    losses = {
+        (("adamw_0.001",), 8): 5.0,
+        (("torch_muon",), 8): 5.2,
+        (defaults, 8): 4.5, (defaults, 6): 5.1, (defaults, 4): 4.9,  # 4 is past a miss: not run
+        (both, 8): 4.0, (both, 6): 4.8, (both, 4): 4.9, (both, 2): 5.5,
+    }  # fmt: skip
+    trained: list[tuple[str, int, bool]] = []
+
+    def fake_train(configuration: quality.Configuration, data: object, size: object, seed: int,
+                   steps: int, *, curve: bool = True) -> quality.RunResult:  # fmt: skip
+        trained.append((configuration.key, steps, curve))
+        loss = losses[(configuration.same_as or (configuration.key,), steps)]
+        return quality.RunResult(configuration.label, steps, train_losses=[(steps, loss)],
+                                 val_losses=[(steps, loss)], tokens_per_s=1.0)  # fmt: skip
+
+    monkeypatch.setattr(quality, "train", fake_train)
+    budgeted = (quality.MUON_TUNED_ADAMW, quality.MUON_BEST_HALF, quality.MUON_DEFAULT_LR_KEY,
+                quality.MUON_DEFAULTS)  # fmt: skip
+    tiny = quality.QualitySize(adamw_lrs=(quality.ADAMW_DEFAULT_LR,), steps=8,
+                               budgets=(0.25, 0.5, 0.75, 1.0), budgeted=budgeted)  # fmt: skip
     rows = list(quality.quality_rows(tiny, Settings(extra={"loss_plot": str(tmp_path / "l.png")})))
-    tuned, defaults = quality.MUON_TUNED_ADAMW, quality.MUON_DEFAULTS
-    muon_runs = Counter(steps for key, steps in trained if key in (tuned, defaults))
-    assert muon_runs == {4: 1, 2: 1}  # each run once for the two, the budget run's too
-    assert len(trained) == 4  # and AdamW's, torch.optim.Muon's
-    losses = {r.ours_label: r.ours for r in rows if r.case.startswith("Training quality: final")}
-    assert len(set(losses.values())) < len(losses)  # the two shared configurations, one loss
+    full = [("adamw_0.001", 8, True), (quality.MUON_DEFAULTS, 8, True),
+            (quality.MUON_TUNED_ADAMW, 8, True), (quality.TORCH_MUON, 8, True)]  # fmt: skip
+    # both halves at the tuned lr: 8 (the full run), 6, 4 reach 5.0, 2 does not; the lowest
+    # Muon + AdamW is the same optimizer; Muon's default lr: 8 reaches, 6 does not, 4 is not run
+    budgets = [(quality.MUON_TUNED_ADAMW, 6, False), (quality.MUON_TUNED_ADAMW, 4, False),
+               (quality.MUON_TUNED_ADAMW, 2, False), (quality.MUON_DEFAULT_LR_KEY, 6, False)]  # fmt: skip
+    assert trained == full + budgets
+    reached = [r for r in rows if r.case.startswith("Training quality: steps to")]
+    assert [(r.ours, r.note, r.target) for r in reached] == [
+        (4, "0.50 of the steps (2.00x)", "<= 0.8"), (8, "1.00 of the steps (1.00x)", ""),
+    ]  # fmt: skip
+    assert reached[1].ours_label.startswith("Muon + AdamW, Muon at its default lr, the AdamW half")
     assert "its runs reused" in capsys.readouterr().err
+
+
+def test_quality_muon_lrs_sweeps_muon_with_the_adamw_half_at_the_tuned_lr(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(quality, "python_stdlib_corpus", lambda **kw: synthetic_corpus(
+        train_chars=20_000, val_chars=4_000))  # fmt: skip
+    trained: list[tuple[object, ...]] = []
+
+    def fake_train(configuration: quality.Configuration, data: object, size: object, seed: int,
+                   steps: int, *, curve: bool = True) -> quality.RunResult:  # fmt: skip
+        trained.append(configuration.same_as or (configuration.key,))
+        loss = 4.0 if configuration.key == "adamw_0.002" else 5.0  # the sweep's best: 2e-3
+        return quality.RunResult(configuration.label, steps, train_losses=[(steps, loss)],
+                                 val_losses=[(steps, loss)], tokens_per_s=1.0)  # fmt: skip
+
+    monkeypatch.setattr(quality, "train", fake_train)
+    monkeypatch.setattr(quality, "DEFAULT", quality.QualitySize(adamw_lrs=(1e-3, 2e-3), steps=8))
+    settings = Settings(extra={"muon_lrs": "1e-3,2e-3,0.02", "loss_plot": str(tmp_path / "l.png")})
+    rows = list(quality.case_quality(settings))
+    losses = [r for r in rows if r.case.startswith("Training quality: final validation loss, ")]
+    labels = [r.ours_label for r in losses]
+    # 2e-3 (the tuned lr) and 0.02 (Muon's default) are rows of their own already: trained once
+    assert labels[-1] == ("Muon + AdamW, Muon at 1e-3, the AdamW half at the tuned AdamW lr "
+                          "(muon={'lr': 1e-3}, adamw={'lr': 2e-3})")  # fmt: skip
+    assert sum("Muon at 1e-3" in label for label in labels) == 1
+    assert ("muon", 1e-3, 2e-3) in trained and len(trained) == len(set(trained))
+    assert {r.command for r in rows} == {
+        "python -m benchmarks --cases quality --muon-lrs 1e-3,2e-3,2e-2"
+    }
+    for bad, says in (("6e-3,x", "give comma-separated numbers"), ("0", "positive number")):
+        with pytest.raises(SystemExit) as exit_info:
+            suite.main(["--cases", "quality", "--muon-lrs", bad])
+        assert exit_info.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_quality_runs_of_a_seed_start_from_the_same_init_and_batches() -> None:
