@@ -96,17 +96,17 @@ MUON_DEFAULTS = "muon_defaults"
 #: Muon at its default lr, the AdamW half at the tuned AdamW lr.
 MUON_DEFAULT_LR_KEY = "muon_default_lr"
 #: Both halves at the tuned AdamW lr: the configuration :data:`TARGET` is asked of.
-MUON_TUNED_ADAMW = "muon_tuned_adamw"
+MUON_BOTH_TUNED = "muon_both_tuned"
 TORCH_MUON = "torch_muon"
-#: In :attr:`QualitySize.budgeted`: whichever Muon + AdamW run ended lowest.
-MUON_BEST_HALF = "muon_best_adamw_half"
+#: In :attr:`QualitySize.budgeted`: whichever Muon + AdamW run (any lrs) ended lowest.
+MUON_LOWEST = "muon_lowest"
 #: What :attr:`QualitySize.budgeted` may name.
-BUDGETABLE = (MUON_TUNED_ADAMW, MUON_BEST_HALF, MUON_DEFAULT_LR_KEY, MUON_DEFAULTS, TORCH_MUON)
+BUDGETABLE = (MUON_BOTH_TUNED, MUON_LOWEST, MUON_DEFAULT_LR_KEY, MUON_DEFAULTS, TORCH_MUON)
 
 #: The lr of the AdamW half next to torch.optim.Muon (HyperParallel's AdamW default).
 TORCH_MUON_ADAMW_LR = 1e-3
 
-#: The steps-to-target fraction issue 43 asks of Muon with the AdamW half at the tuned lr.
+#: The steps-to-target fraction the case aims at with both halves at the tuned AdamW lr.
 TARGET = "<= 0.8"
 
 #: Where the loss curves go without ``--loss-plot`` (``runs/`` is ignored by git).
@@ -134,7 +134,7 @@ class QualitySize:
     adamw_lrs: tuple[float, ...] = (1e-3, 2e-3, 3e-3, 5e-3)
     muon_lrs: tuple[float, ...] = ()  # --muon-lrs: Muon's lr swept, the AdamW half at the tuned lr
     budgets: tuple[float, ...] = (0.4, 0.6, 0.8, 1.0)
-    budgeted: tuple[str, ...] = (MUON_TUNED_ADAMW, MUON_BEST_HALF, MUON_DEFAULTS)
+    budgeted: tuple[str, ...] = (MUON_BOTH_TUNED, MUON_LOWEST, MUON_DEFAULTS)
     seeds: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
@@ -153,6 +153,11 @@ class QualitySize:
             raise HyperParallelValueError(
                 f"QualitySize: every lr must be a positive number, got adamw_lrs={self.adamw_lrs}, "
                 f"muon_lrs={self.muon_lrs}"
+            )
+        if max(self.budgets) != 1.0 or not all(0 < f <= 1 for f in self.budgets):
+            raise HyperParallelValueError(
+                f"QualitySize.budgets {self.budgets}: give fractions of the steps in (0, 1], "
+                "1.0 among them (the full run, which the budgets count down from)"
             )
 
     def model(self, vocab_size: int) -> GPTConfig:
@@ -179,7 +184,7 @@ DEFAULT = QualitySize()
 #: ``--quick``: 120 steps, budgets 0.6, 0.8 and 1.0 (for both halves at the tuned AdamW lr and
 #: the lowest Muon + AdamW), a smaller eval.
 QUICK = QualitySize(steps=120, eval_every=20, eval_batches=4, budgets=(0.6, 0.8, 1.0),
-                    budgeted=(MUON_TUNED_ADAMW, MUON_BEST_HALF))  # fmt: skip
+                    budgeted=(MUON_BOTH_TUNED, MUON_LOWEST))  # fmt: skip
 
 #: ``--init``'s choices: each a change to the size. ``gpt2`` (the default): GPT-2's N(0, 0.02),
 #: the residual projections smaller; ``torch``: PyTorch's module defaults (embeddings N(0, 1),
@@ -195,9 +200,9 @@ TORCH_INIT = "torch"
 class Configuration:
     """One optimizer configuration: its key, how rows name it, and how it is built for a model.
 
-    ``same_as``: what it builds, resolved (``("muon", 0.001)``: Muon at its
-    defaults, the AdamW half at lr 1e-3); two configurations that build the
-    same optimizer share their runs. Empty: its own.
+    ``same_as``: what it builds, resolved (``("muon", 0.02, 0.001)``: Muon at
+    lr 2e-2, the AdamW half at 1e-3); two configurations that build the same
+    optimizer share their runs. Empty: its own.
     """
 
     key: str
@@ -207,9 +212,9 @@ class Configuration:
 
 
 def _lr_text(lr: float) -> str:
-    """``3e-3`` for 0.003."""
-    mantissa, exponent = f"{lr:.0e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
+    """``3e-3`` for 0.003, ``1.5e-3`` for 0.0015 (three significant digits at most)."""
+    mantissa, exponent = f"{lr:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
 def adamw(lr: float) -> Configuration:
@@ -249,7 +254,11 @@ def muon_adamw(key: str, what: str, muon_lr: float | None, adamw_lr: float | Non
         key,
         f"Muon + AdamW, {what} (muon={_kwargs_text(muon_lr)}, adamw={_kwargs_text(adamw_lr)})",
         lambda model: get_hyper_optimizer(model, muon=muon, adamw=adamw),
-        same_as=("muon", muon_lr or MUON_DEFAULT_LR, adamw_lr or ADAMW_DEFAULT_LR),
+        same_as=(
+            "muon",
+            MUON_DEFAULT_LR if muon_lr is None else muon_lr,
+            ADAMW_DEFAULT_LR if adamw_lr is None else adamw_lr,
+        ),
     )
 
 
@@ -264,7 +273,7 @@ def muon_configurations(best_adamw_lr: float) -> list[Configuration]:
     return [
         muon_adamw(MUON_DEFAULTS, "HyperParallel's defaults", None, None),
         muon_adamw(MUON_DEFAULT_LR_KEY, f"Muon at its default lr, {TUNED_HALF}", None, best),
-        muon_adamw(MUON_TUNED_ADAMW, "both at the tuned AdamW lr", best, best),
+        muon_adamw(MUON_BOTH_TUNED, "both at the tuned AdamW lr", best, best),
         Configuration(
             TORCH_MUON,
             f"torch.optim.Muon defaults + AdamW lr {_lr_text(TORCH_MUON_ADAMW_LR)}",
@@ -381,8 +390,9 @@ class Runs:
 
     @property
     def losses(self) -> list[float]:
-        return [r.final_val_loss if r.final_val_loss is not None else math.inf
-                for r in self.results]  # fmt: skip
+        """Each seed's final validation loss; ``inf`` where there is none or it is not finite."""
+        finals = (r.final_val_loss for r in self.results)
+        return [loss if loss is not None and math.isfinite(loss) else math.inf for loss in finals]
 
     @property
     def loss(self) -> float:
@@ -447,19 +457,25 @@ def case_quality(settings: Settings) -> Iterator[Row]:
     size = QUICK if settings.quick_flag else DEFAULT
     seeds = int(settings.extra.get("seeds", "1"))
     init = INITS[settings.extra.get("init", "gpt2")]
-    muon_lrs = parse_lrs(settings.extra.get("muon_lrs", ""))
+    muon_lrs = parse_lrs(settings.extra["muon_lrs"]) if "muon_lrs" in settings.extra else ()
     size = dataclasses.replace(size, seeds=tuple(range(seeds)), muon_lrs=muon_lrs, **init)
     yield from quality_rows(size, settings)
 
 
 def parse_lrs(text: str) -> tuple[float, ...]:
-    """``"1e-3,6e-3"`` as ``(0.001, 0.006)``; ``""`` as ``()``. Raises on anything else."""
+    """``--muon-lrs``' text: ``"1e-3,6e-3"`` as ``(0.001, 0.006)``, each lr once, in order.
+
+    Anything that is not a list of one or more positive numbers raises,
+    naming the text."""
+    fix = "give comma-separated positive numbers, for example 1e-3,6e-3"
+    parts = [part for part in text.split(",") if part.strip()]
     try:
-        return tuple(float(part) for part in text.split(",") if part.strip())
+        lrs = tuple(dict.fromkeys(float(part) for part in parts))
     except ValueError:
-        raise HyperParallelValueError(
-            f"--muon-lrs {text!r}: give comma-separated numbers, for example 1e-3,6e-3"
-        ) from None
+        raise HyperParallelValueError(f"--muon-lrs {text!r}: {fix}") from None
+    if not lrs or not all(math.isfinite(lr) and lr > 0 for lr in lrs):
+        raise HyperParallelValueError(f"--muon-lrs {text!r}: {fix}")
+    return lrs
 
 
 def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
@@ -502,7 +518,7 @@ def quality_rows(size: QualitySize, settings: Settings) -> Iterator[Row]:
 def _budgeted(full: Sequence[Runs], keys: Sequence[str]) -> list[Runs]:
     """The full runs :attr:`QualitySize.budgeted` names, in its order, each optimizer once.
 
-    :data:`MUON_BEST_HALF` is the Muon + AdamW run (any lrs) with the lowest
+    :data:`MUON_LOWEST` is the Muon + AdamW run (any lrs) with the lowest
     final loss; where that optimizer is already named, it is not
     budgeted again.
     """
@@ -510,7 +526,7 @@ def _budgeted(full: Sequence[Runs], keys: Sequence[str]) -> list[Runs]:
     muon_adamw_runs = [runs for runs in full if runs.configuration.same_as[:1] == ("muon",)]
     chosen: dict[tuple[object, ...], Runs] = {}
     for key in keys:
-        runs = min(muon_adamw_runs, key=lambda r: r.loss) if key == MUON_BEST_HALF else by_key[key]
+        runs = min(muon_adamw_runs, key=lambda r: r.loss) if key == MUON_LOWEST else by_key[key]
         chosen.setdefault(runs.configuration.same_as or (runs.configuration.key,), runs)
     return list(chosen.values())
 
@@ -540,7 +556,7 @@ def _budget_rows(full: Runs, best: Runs, trained: _Trainer, command: str) -> Ite
         note = f"never: the largest budget ({max(size.budgets):.2f}) did not reach {best.loss:.3f}"
     else:
         note = f"{reached.steps / best.steps:.2f} of the steps ({best.steps / reached.steps:.2f}x)"
-    target = TARGET if full.configuration.key == MUON_TUNED_ADAMW else ""
+    target = TARGET if full.configuration.key == MUON_BOTH_TUNED else ""
     yield Row(f"Training quality: steps to the lr-tuned AdamW's final validation loss "
               f"(by budget), {label}", label, reached.steps if reached else None,
               best.configuration.label, best.steps, "steps", target, note, command)  # fmt: skip

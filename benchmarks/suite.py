@@ -63,7 +63,7 @@ from benchmarks.ns_paths import case_paths
 from benchmarks.peers import MUON_PEER_NAMES, install_peers, muon_peers, peer_versions
 from benchmarks.preemption import case_preemption
 from benchmarks.qk_clip import case_qk_clip
-from benchmarks.quality import QualitySize, case_quality, parse_lrs
+from benchmarks.quality import case_quality, parse_lrs
 from benchmarks.swap import case_swap
 from hyper_parallel.core.errors import HyperParallelValueError
 
@@ -877,9 +877,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.extra["loss_plot"] = str(args.loss_plot)
     if args.init:
         settings.extra["init"] = args.init
-    if args.muon_lrs:
+    if args.muon_lrs is not None:
         try:
-            QualitySize(muon_lrs=parse_lrs(args.muon_lrs))  # checks each lr
+            parse_lrs(args.muon_lrs)
         except HyperParallelValueError as error:
             parser.error(str(error))
         settings.extra["muon_lrs"] = args.muon_lrs

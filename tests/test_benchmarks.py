@@ -25,6 +25,7 @@ from benchmarks.muon_small import case_muon_small
 from benchmarks.qk_clip import Sizes, qk_clip_rows
 from benchmarks.suite import case_distributed, format_table, not_measured_line, plot_label
 from hyper_parallel import qk_clip
+from hyper_parallel.core.errors import HyperParallelValueError
 from hyper_parallel.train.data import synthetic_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -482,7 +483,9 @@ def test_the_quality_case_trains_each_configuration_and_finds_the_steps_to_adamw
     # by budget: both halves at the tuned lr, the lowest Muon + AdamW, HyperParallel's defaults;
     # each optimizer (each pair of lrs) once
     b = float(best_lr)
-    lrs = {losses[2].ours_label: (0.02, 1e-3), losses[3].ours_label: (0.02, b),
+    muon_default, adamw_default = quality.MUON_DEFAULT_LR, quality.ADAMW_DEFAULT_LR
+    lrs = {losses[2].ours_label: (muon_default, adamw_default),
+           losses[3].ours_label: (muon_default, b),
            losses[4].ours_label: (b, b), **{r.ours_label: (b, 1e-2) for r in losses[6:]}}  # fmt: skip
     lowest = min((r for r in losses if r.ours_label in lrs), key=lambda r: r.ours)
     budgeted: dict[tuple[float, float], Row] = {}
@@ -581,7 +584,7 @@ def test_quality_trains_one_optimizer_once_and_runs_budgets_largest_first(
         (("adamw_0.001",), 8): 5.0,
         (("torch_muon",), 8): 5.2,
         (defaults, 8): 4.5, (defaults, 6): 5.1, (defaults, 4): 4.9,  # 4 is past a miss: not run
-        (both, 8): 4.0, (both, 6): 4.8, (both, 4): 4.9, (both, 2): 5.5,
+        (both, 8): 4.0, (both, 6): 4.8, (both, 4): 4.9, (both, 2): float("nan"),  # a miss
     }  # fmt: skip
     trained: list[tuple[str, int, bool]] = []
 
@@ -593,21 +596,23 @@ def test_quality_trains_one_optimizer_once_and_runs_budgets_largest_first(
                                  val_losses=[(steps, loss)], tokens_per_s=1.0)  # fmt: skip
 
     monkeypatch.setattr(quality, "train", fake_train)
-    budgeted = (quality.MUON_TUNED_ADAMW, quality.MUON_BEST_HALF, quality.MUON_DEFAULT_LR_KEY,
-                quality.MUON_DEFAULTS)  # fmt: skip
+    budgeted = (quality.MUON_BOTH_TUNED, quality.MUON_LOWEST, quality.MUON_DEFAULT_LR_KEY,
+                quality.MUON_DEFAULTS, quality.TORCH_MUON)  # fmt: skip
     tiny = quality.QualitySize(adamw_lrs=(quality.ADAMW_DEFAULT_LR,), steps=8,
                                budgets=(0.25, 0.5, 0.75, 1.0), budgeted=budgeted)  # fmt: skip
     rows = list(quality.quality_rows(tiny, Settings(extra={"loss_plot": str(tmp_path / "l.png")})))
     full = [("adamw_0.001", 8, True), (quality.MUON_DEFAULTS, 8, True),
-            (quality.MUON_TUNED_ADAMW, 8, True), (quality.TORCH_MUON, 8, True)]  # fmt: skip
-    # both halves at the tuned lr: 8 (the full run), 6, 4 reach 5.0, 2 does not; the lowest
-    # Muon + AdamW is the same optimizer; Muon's default lr: 8 reaches, 6 does not, 4 is not run
-    budgets = [(quality.MUON_TUNED_ADAMW, 6, False), (quality.MUON_TUNED_ADAMW, 4, False),
-               (quality.MUON_TUNED_ADAMW, 2, False), (quality.MUON_DEFAULT_LR_KEY, 6, False)]  # fmt: skip
+            (quality.MUON_BOTH_TUNED, 8, True), (quality.TORCH_MUON, 8, True)]  # fmt: skip
+    # both halves at the tuned lr: 8 (the full run), 6, 4 reach 5.0, 2 (NaN) does not; the lowest
+    # Muon + AdamW is the same optimizer; Muon's default lr: 8 reaches, 6 does not, 4 is not run;
+    # torch.optim.Muon's full run misses: never, and no budget run
+    budgets = [(quality.MUON_BOTH_TUNED, 6, False), (quality.MUON_BOTH_TUNED, 4, False),
+               (quality.MUON_BOTH_TUNED, 2, False), (quality.MUON_DEFAULT_LR_KEY, 6, False)]  # fmt: skip
     assert trained == full + budgets
     reached = [r for r in rows if r.case.startswith("Training quality: steps to")]
     assert [(r.ours, r.note, r.target) for r in reached] == [
         (4, "0.50 of the steps (2.00x)", "<= 0.8"), (8, "1.00 of the steps (1.00x)", ""),
+        (None, "never: the largest budget (1.00) did not reach 5.000", ""),
     ]  # fmt: skip
     assert reached[1].ours_label.startswith("Muon + AdamW, Muon at its default lr, the AdamW half")
     assert "its runs reused" in capsys.readouterr().err
@@ -629,22 +634,28 @@ def test_quality_muon_lrs_sweeps_muon_with_the_adamw_half_at_the_tuned_lr(
 
     monkeypatch.setattr(quality, "train", fake_train)
     monkeypatch.setattr(quality, "DEFAULT", quality.QualitySize(adamw_lrs=(1e-3, 2e-3), steps=8))
-    settings = Settings(extra={"muon_lrs": "1e-3,2e-3,0.02", "loss_plot": str(tmp_path / "l.png")})
+    settings = Settings(
+        extra={"muon_lrs": "1.5e-3,2e-3,0.02,0.0015", "loss_plot": str(tmp_path / "l.png")}
+    )
     rows = list(quality.case_quality(settings))
     losses = [r for r in rows if r.case.startswith("Training quality: final validation loss, ")]
     labels = [r.ours_label for r in losses]
     # 2e-3 (the tuned lr) and 0.02 (Muon's default) are rows of their own already: trained once
-    assert labels[-1] == ("Muon + AdamW, Muon at 1e-3, the AdamW half at the tuned AdamW lr "
-                          "(muon={'lr': 1e-3}, adamw={'lr': 2e-3})")  # fmt: skip
-    assert sum("Muon at 1e-3" in label for label in labels) == 1
-    assert ("muon", 1e-3, 2e-3) in trained and len(trained) == len(set(trained))
+    assert labels[-1] == ("Muon + AdamW, Muon at 1.5e-3, the AdamW half at the tuned AdamW lr "
+                          "(muon={'lr': 1.5e-3}, adamw={'lr': 2e-3})")  # fmt: skip
+    assert sum("Muon at 1.5e-3" in label for label in labels) == 1  # 0.0015 is the same lr
+    assert ("muon", 1.5e-3, 2e-3) in trained and len(trained) == len(set(trained))
     assert {r.command for r in rows} == {
-        "python -m benchmarks --cases quality --muon-lrs 1e-3,2e-3,2e-2"
+        "python -m benchmarks --cases quality --muon-lrs 1.5e-3,2e-3,2e-2"
     }
-    for bad, says in (("6e-3,x", "give comma-separated numbers"), ("0", "positive number")):
+    for bad in ("6e-3,x", "0", "-1e-3", ",", ""):
         with pytest.raises(SystemExit) as exit_info:
-            suite.main(["--cases", "quality", "--muon-lrs", bad])
+            suite.main(["--cases", "quality", f"--muon-lrs={bad}"])
+        says = f"--muon-lrs {bad!r}: give comma-separated positive numbers"
         assert exit_info.value.code == 2 and says in capsys.readouterr().err
+    for budgets in ((0.5, 0.8), (0.5, 1.0, 1.2), (0.0, 1.0)):
+        with pytest.raises(HyperParallelValueError, match=r"budgets .*1\.0 among them"):
+            quality.QualitySize(budgets=budgets)
 
 
 def test_quality_runs_of_a_seed_start_from_the_same_init_and_batches() -> None:
