@@ -179,7 +179,7 @@ class QualitySize:
 
 
 #: The default size: 240 steps, four AdamW lrs, budgets 0.4 to 1.0 for three Muon configurations
-#: (under 15 minutes on 2 AVX2-only cores).
+#: (about 15 minutes on 2 AVX2-only cores, 3.5 of them torch.optim.Muon's bf16 Newton-Schulz).
 DEFAULT = QualitySize()
 #: ``--quick``: 120 steps, budgets 0.6, 0.8 and 1.0 (for both halves at the tuned AdamW lr and
 #: the lowest Muon + AdamW), a smaller eval.
